@@ -1,0 +1,23 @@
+# `make demo` and `make test` create .venv and install everything they need on first use.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+
+.PHONY: demo test bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	touch $@
+
+demo: $(VENV)/.installed
+	$(PY) examples/generate.py
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q
+
+bench: $(VENV)/.installed
+	$(PY) benchmarks/bench_generate.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,133 @@
+"""DFlash drafter configuration: the DFlash-specific fields of a published ``config.json``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
+    """The DFlash authors' rule: ``round(1 + i * (N - 4) / (n - 1))`` for ``i < n``; ``[N // 2]`` for ``n == 1``.
+
+    Raises ``ValueError`` when the rule leaves ``[0, N)`` (targets with fewer than 4 layers): pass
+    ``target_layer_ids`` explicitly for those.
+    """
+    n, N = num_draft_layers, num_target_layers
+    if n < 1 or N < 1:
+        raise ValueError(f"need at least one draft and one target layer, got n={n}, N={N}")
+    if n == 1:
+        ids = (N // 2,)
+    else:
+        ids = tuple(int(round(1 + i * (N - 4) / (n - 1))) for i in range(n))
+    if any(not 0 <= i < N for i in ids):
+        raise ValueError(
+            f"the default target_layer_ids rule gives {list(ids)} for a {N}-layer target and a {n}-layer "
+            f"drafter, outside [0, {N}); pass target_layer_ids explicitly"
+        )
+    return ids
+
+
+@dataclass(frozen=True)
+class DFlashConfig:
+    """DFlash-specific settings of a drafter.
+
+    ``target_layer_ids[i]`` names the target decoder layer whose output (HF ``output_hidden_states[i + 1]``)
+    is the i-th context feature. ``layer_types`` has one entry per drafter layer.
+    """
+
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    layer_types: tuple[str, ...]
+    num_target_layers: int
+    sliding_window: int | None = None
+
+    def __post_init__(self):
+        # Normalise sequences (JSON lists) to tuples so the dataclass stays hashable and immutable.
+        object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        if not isinstance(self.block_size, int) or self.block_size < 2:
+            raise ValueError(f"block_size must be an int >= 2 (one bonus token + drafts), got {self.block_size!r}")
+        if not isinstance(self.mask_token_id, int) or self.mask_token_id < 0:
+            raise ValueError(f"mask_token_id must be a non-negative int, got {self.mask_token_id!r}")
+        if not isinstance(self.num_target_layers, int) or self.num_target_layers < 1:
+            raise ValueError(f"num_target_layers must be a positive int, got {self.num_target_layers!r}")
+        if not self.target_layer_ids:
+            raise ValueError("target_layer_ids must name at least one target layer")
+        bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
+        if bad:
+            raise ValueError(
+                f"target_layer_ids {bad} are outside the target's layers [0, {self.num_target_layers})"
+            )
+        if not self.layer_types:
+            raise ValueError("layer_types must have one entry per drafter layer")
+        unknown = sorted(set(self.layer_types) - set(_LAYER_TYPES))
+        if unknown:
+            raise ValueError(f"unknown layer_types {unknown}; expected entries of {list(_LAYER_TYPES)}")
+        if "sliding_attention" in self.layer_types:
+            if not isinstance(self.sliding_window, int) or self.sliding_window < 1:
+                raise ValueError(
+                    f"layer_types contain 'sliding_attention' but sliding_window is {self.sliding_window!r}"
+                )
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.block_size - 1
+
+    @property
+    def num_draft_layers(self) -> int:
+        return len(self.layer_types)
+
+    @classmethod
+    def from_dict(cls, config: Mapping[str, Any]) -> "DFlashConfig":
+        """Parse the authors' ``config.json`` (``block_size`` at top level or inside ``dflash_config``)."""
+        dflash = dict(config.get("dflash_config") or {})
+        block_size = dflash.get("block_size", config.get("block_size"))
+        if block_size is None:
+            raise ValueError("config has no block_size (neither top-level nor in dflash_config)")
+        if "block_size" in dflash and "block_size" in config and dflash["block_size"] != config["block_size"]:
+            raise ValueError(
+                f"config has two different block_size values: {config['block_size']} (top level) "
+                f"and {dflash['block_size']} (dflash_config)"
+            )
+        mask_token_id = dflash.get("mask_token_id", config.get("mask_token_id"))
+        if mask_token_id is None:
+            raise ValueError("config has no mask_token_id (dflash_config.mask_token_id)")
+        if "num_hidden_layers" not in config:
+            raise ValueError("config has no num_hidden_layers")
+        num_layers = int(config["num_hidden_layers"])
+        num_target_layers = config.get("num_target_layers")
+        if num_target_layers is None:
+            raise ValueError("config has no num_target_layers")
+        layer_types = config.get("layer_types") or ["full_attention"] * num_layers
+        if len(layer_types) != num_layers:
+            raise ValueError(f"layer_types has {len(layer_types)} entries for {num_layers} drafter layers")
+        target_layer_ids = dflash.get("target_layer_ids", config.get("target_layer_ids"))
+        if target_layer_ids is None:
+            target_layer_ids = default_target_layer_ids(int(num_target_layers), num_layers)
+        return cls(
+            block_size=int(block_size),
+            mask_token_id=int(mask_token_id),
+            target_layer_ids=tuple(target_layer_ids),
+            layer_types=tuple(layer_types),
+            num_target_layers=int(num_target_layers),
+            sliding_window=config.get("sliding_window") if "sliding_attention" in layer_types else None,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The DFlash fields in the authors' layout (merged into the drafter's ``config.json``)."""
+        out: dict[str, Any] = {
+            "block_size": self.block_size,
+            "dflash_config": {
+                "block_size": self.block_size,
+                "mask_token_id": self.mask_token_id,
+                "target_layer_ids": list(self.target_layer_ids),
+            },
+            "num_target_layers": self.num_target_layers,
+            "layer_types": list(self.layer_types),
+        }
+        if self.sliding_window is not None:
+            out["sliding_window"] = self.sliding_window
+        return out

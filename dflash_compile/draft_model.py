@@ -1,0 +1,427 @@
+"""The DFlash block-diffusion drafter: Qwen3 decoder layers fed by the target's context features.
+
+The drafter owns no embedding and no LM head: it borrows the target's (``bind_target``). Its attention is
+non-causal over ``[cached context K/V, the query block's own K/V]``; the context K/V of every layer come from
+one projection of the context features (``context_kv``) and are written to a cache by the caller.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import Qwen3Config
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP
+
+from .config import DFlashConfig, default_target_layer_ids
+
+_CONFIG_NAME = "config.json"
+_WEIGHTS_NAME = "model.safetensors"
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3 RMSNorm with a weight that broadcasts over ``x``'s last dims.
+
+    Statistics in fp32 for half types (as HF), in the input's own precision for fp32/fp64.
+    """
+    dtype = x.dtype
+    xf = x.float() if x.element_size() < 4 else x
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE; ``x`` is ``[..., S, H, D]`` and ``cos``/``sin`` are ``[..., S, D]``."""
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class DFlashRotaryEmbedding(nn.Module):
+    """RoPE cos/sin at arbitrary positions. Angles are computed in fp32, or in fp64 for an fp64 model.
+
+    ``inv_freq`` is rebuilt from the config whenever the module moves (``_apply``), so an fp64 copy of
+    an fp32 model gets exact fp64 frequencies rather than widened fp32 ones.
+    """
+
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        self.config = config
+        inv_freq, self.attention_scaling = self._frequencies(torch.float32, None)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def _frequencies(self, dtype, device):
+        rope = self.config.rope_parameters
+        if rope.get("rope_type", "default") == "default":
+            D = self.config.head_dim
+            exponent = torch.arange(0, D, 2, dtype=torch.float64, device=device) / D
+            return (1.0 / rope["rope_theta"] ** exponent).to(dtype), 1.0
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope["rope_type"]](self.config, device)
+        return inv_freq.to(dtype), scaling
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        if self.inv_freq.device.type != "meta":
+            dtype = torch.float64 if self.inv_freq.dtype == torch.float64 else torch.float32
+            self.inv_freq = self._frequencies(dtype, self.inv_freq.device)[0]
+        return self
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``positions [..., S]`` -> ``cos, sin [..., S, D]`` in ``x``'s dtype."""
+        freqs = positions[..., None].to(self.inv_freq.dtype) * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
+
+
+class DFlashAttention(nn.Module):
+    def __init__(self, config: Qwen3Config, layer_idx: int):
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.eps = config.rms_norm_eps
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def forward(self, h, cos, sin, ctx_k, ctx_v, mask):
+        # h [B, Q, H]; ctx_k/ctx_v [B, S, Hkv, D] (already normed and RoPE'd); mask [B, 1, Q, S + Q] bool
+        B, Q, _ = h.shape
+        q = apply_rope(self.q_norm(self.q_proj(h).view(B, Q, self.num_heads, self.head_dim)), cos, sin)
+        k = apply_rope(self.k_norm(self.k_proj(h).view(B, Q, self.num_kv_heads, self.head_dim)), cos, sin)
+        v = self.v_proj(h).view(B, Q, self.num_kv_heads, self.head_dim)
+        k = torch.cat([ctx_k, k], dim=1).transpose(1, 2)  # [B, Hkv, S + Q, D]
+        v = torch.cat([ctx_v, v], dim=1).transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k, v, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads
+        )  # [B, Hq, Q, D]
+        return self.o_proj(out.transpose(1, 2).reshape(B, Q, self.num_heads * self.head_dim))
+
+
+class DFlashDecoderLayer(nn.Module):
+    def __init__(self, config: Qwen3Config, layer_idx: int):
+        super().__init__()
+        self.self_attn = DFlashAttention(config, layer_idx)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, h, cos, sin, ctx_k, ctx_v, mask):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, ctx_k, ctx_v, mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DFlashDraftModel(nn.Module):
+    """A DFlash drafter. ``config`` is the drafter's Qwen3 architecture, ``dflash_config`` its DFlash fields.
+
+    Weight names follow the published checkpoints: ``fc``, ``hidden_norm``, ``norm``, ``layers.N.*``.
+    """
+
+    def __init__(self, config: Qwen3Config, dflash_config: DFlashConfig):
+        super().__init__()
+        if len(dflash_config.layer_types) != config.num_hidden_layers:
+            raise ValueError(
+                f"dflash_config.layer_types has {len(dflash_config.layer_types)} entries for "
+                f"{config.num_hidden_layers} drafter layers"
+            )
+        if config.num_attention_heads % config.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({config.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({config.num_key_value_heads})"
+            )
+        self.config = config
+        self.dflash_config = dflash_config
+        H = config.hidden_size
+        self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.fc = nn.Linear(len(dflash_config.target_layer_ids) * H, H, bias=False)
+        self.hidden_norm = RMSNorm(H, config.rms_norm_eps)
+        self.norm = RMSNorm(H, config.rms_norm_eps)
+        self.rotary_emb = DFlashRotaryEmbedding(config)
+        # Borrowed from the target, deliberately not registered as submodules (not in state_dict, not copied).
+        self._borrowed: tuple[nn.Module, nn.Module] | None = None
+
+    # ------------------------------------------------------------------ target binding
+    def bind_target(self, target: nn.Module) -> "DFlashDraftModel":
+        """Borrow ``target``'s input embeddings and LM head (shared modules, not copies)."""
+        embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+        if embed is None or head is None:
+            raise ValueError(f"{type(target).__name__} exposes no input embeddings or no output embeddings")
+        self._borrowed = (embed, head)
+        return self
+
+    @property
+    def embed_tokens(self) -> nn.Module:
+        return self._require_bound()[0]
+
+    @property
+    def lm_head(self) -> nn.Module:
+        return self._require_bound()[1]
+
+    def _require_bound(self):
+        if self._borrowed is None:
+            raise RuntimeError("the drafter is not bound to a target: call draft.bind_target(target) first")
+        return self._borrowed
+
+    @property
+    def block_size(self) -> int:
+        return self.dflash_config.block_size
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.dflash_config.mask_token_id
+
+    # ------------------------------------------------------------------ forward pieces
+    def stacked_kv_weight(self) -> torch.Tensor:
+        """K and V projection weights of every layer stacked: ``[L * 2 * Hkv * D, H]`` (all K, then all V)."""
+        ks = [layer.self_attn.k_proj.weight for layer in self.layers]
+        vs = [layer.self_attn.v_proj.weight for layer in self.layers]
+        return torch.cat(ks + vs, dim=0)
+
+    def context_features(self, aux_hidden: torch.Tensor) -> torch.Tensor:
+        """``[..., n_ids * H]`` concatenated target hidden states -> ``[..., H]`` context rows."""
+        return self.hidden_norm(self.fc(aux_hidden))
+
+    def context_kv(self, ctx: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K (k_norm + RoPE at ``positions``) and V of context rows for every layer, in one matmul.
+
+        ``ctx [B, S, H]``, ``positions [B, S]`` -> ``k, v [L, B, S, Hkv, D]``.
+        """
+        cfg = self.config
+        L, Hkv, D = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+        B, S, _ = ctx.shape
+        kv = F.linear(ctx, self.stacked_kv_weight())  # [B, S, 2 * L * Hkv * D]
+        kv = kv.view(B, S, 2, L, Hkv, D).permute(2, 3, 0, 1, 4, 5)  # [2, L, B, S, Hkv, D]
+        k_norm = torch.stack([layer.self_attn.k_norm.weight for layer in self.layers])  # [L, D]
+        k = rms_norm(kv[0], k_norm.view(L, 1, 1, 1, D), cfg.rms_norm_eps)
+        cos, sin = self.rotary_emb(ctx, positions)  # [B, S, D]
+        return apply_rope(k, cos, sin), kv[1]
+
+    def attention_mask(self, ctx_positions, ctx_valid, block_positions) -> list[torch.Tensor]:
+        """One ``[B, 1, Q, S + Q]`` boolean mask per layer: valid context keys + the whole block, non-causal.
+
+        Sliding-window layers additionally hide context keys ``window`` or more positions behind the query.
+        """
+        Q = block_positions.shape[1]
+        key_pos = torch.cat([ctx_positions, block_positions], dim=1)  # [B, S + Q]
+        key_ok = torch.cat([ctx_valid, ctx_valid.new_ones(ctx_valid.shape[0], Q)], dim=1)
+        full = key_ok[:, None, None, :].expand(-1, 1, Q, -1)
+        masks = {"full_attention": full}
+        if "sliding_attention" in self.dflash_config.layer_types:
+            dist = block_positions[:, None, :, None] - key_pos[:, None, None, :]
+            masks["sliding_attention"] = full & (dist < self.dflash_config.sliding_window)
+        return [masks[t] for t in self.dflash_config.layer_types]
+
+    def forward(
+        self,
+        block_ids: torch.Tensor,
+        block_positions: torch.Tensor,
+        ctx_k: torch.Tensor,
+        ctx_v: torch.Tensor,
+        ctx_positions: torch.Tensor,
+        ctx_valid: torch.Tensor,
+    ) -> torch.Tensor:
+        """Logits of the draft tokens.
+
+        ``block_ids [B, Q]`` (bonus then masks) at ``block_positions [B, Q]``; ``ctx_k``/``ctx_v``
+        ``[L, B, S, Hkv, D]`` from ``context_kv`` at ``ctx_positions [B, S]``, ``ctx_valid [B, S]`` bool.
+        Returns ``[B, Q - 1, V]``: the logits for block positions ``1..Q-1``.
+        """
+        h = self.embed_tokens(block_ids)
+        cos, sin = self.rotary_emb(h, block_positions)
+        masks = self.attention_mask(ctx_positions, ctx_valid, block_positions)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, ctx_k[i], ctx_v[i], masks[i])
+        return self.lm_head(self.norm(h[:, 1:]))
+
+    # ------------------------------------------------------------------ construction / IO
+    @classmethod
+    def from_target(
+        cls,
+        target: nn.Module,
+        num_layers: int = 2,
+        block_size: int = 8,
+        mask_token_id: int | None = None,
+        target_layer_ids=None,
+        seed: int | None = None,
+        **overrides: Any,
+    ) -> "DFlashDraftModel":
+        """A randomly initialised drafter sized from ``target``'s config and bound to it.
+
+        ``overrides`` set Qwen3 architecture fields (e.g. ``intermediate_size``) or ``layer_types`` /
+        ``sliding_window``.
+        """
+        tcfg = target.config.get_text_config()
+        num_target_layers = tcfg.num_hidden_layers
+        head_dim = getattr(tcfg, "head_dim", None) or tcfg.hidden_size // tcfg.num_attention_heads
+        rope = _full_attention_rope(tcfg)
+        layer_types = overrides.pop("layer_types", ["full_attention"] * num_layers)
+        sliding_window = overrides.pop("sliding_window", None)
+        arch = dict(
+            vocab_size=tcfg.vocab_size,
+            hidden_size=tcfg.hidden_size,
+            intermediate_size=tcfg.intermediate_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=tcfg.num_attention_heads,
+            num_key_value_heads=getattr(tcfg, "num_key_value_heads", None) or tcfg.num_attention_heads,
+            head_dim=head_dim,
+            rms_norm_eps=getattr(tcfg, "rms_norm_eps", 1e-6),
+            max_position_embeddings=tcfg.max_position_embeddings,
+            rope_parameters=rope,
+            layer_types=list(layer_types),
+            sliding_window=sliding_window,
+        )
+        arch.update(overrides)
+        config = Qwen3Config(**arch)
+        dflash = DFlashConfig(
+            block_size=block_size,
+            mask_token_id=tcfg.vocab_size - 1 if mask_token_id is None else mask_token_id,
+            target_layer_ids=tuple(
+                default_target_layer_ids(num_target_layers, num_layers) if target_layer_ids is None else target_layer_ids
+            ),
+            layer_types=tuple(layer_types),
+            num_target_layers=num_target_layers,
+            sliding_window=sliding_window,
+        )
+        if seed is not None:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                model = cls(config, dflash)
+                model.reset_parameters()
+        else:
+            model = cls(config, dflash)
+            model.reset_parameters()
+        ref = next(target.parameters())
+        return model.to(dtype=ref.dtype, device=ref.device).bind_target(target)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Normal(0, initializer_range) linear weights, unit norm weights (the Qwen3 initialisation)."""
+        std = self.config.initializer_range
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                m.weight.normal_(0.0, std)
+            elif isinstance(m, RMSNorm):
+                m.weight.fill_(1.0)
+
+    @classmethod
+    def from_pretrained(cls, path, dtype: torch.dtype | None = None, device=None) -> "DFlashDraftModel":
+        """Load ``config.json`` + ``*.safetensors`` written in the DFlash authors' format.
+
+        Reads only JSON and safetensors (never executes code from ``path``). Missing, unexpected or
+        mis-shaped weights raise ``ValueError`` naming them. The result is unbound: pass it to
+        ``DFlashSpecWrapper`` (or call ``bind_target``).
+        """
+        from safetensors import safe_open
+
+        path = Path(path)
+        cfg_file = path / _CONFIG_NAME
+        if not cfg_file.is_file():
+            raise FileNotFoundError(f"no {_CONFIG_NAME} in {path}")
+        raw = json.loads(cfg_file.read_text())
+        arch = raw.get("architectures") or []
+        if arch and "DFlashDraftModel" not in arch:
+            raise ValueError(f"{cfg_file} describes {arch}, not a DFlashDraftModel")
+        dflash = DFlashConfig.from_dict(raw)
+        config = _qwen3_config(raw, dflash)
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors weights in {path}")
+        state: dict[str, torch.Tensor] = {}
+        for f in files:
+            with safe_open(str(f), framework="pt") as st:
+                for key in st.keys():
+                    if key in state:
+                        raise ValueError(f"weight {key!r} appears in more than one file of {path}")
+                    state[key] = st.get_tensor(key)
+        with torch.device("meta"):
+            model = cls(config, dflash)
+        expected = {k: v.shape for k, v in model.state_dict().items()}
+        missing = sorted(set(expected) - set(state))
+        unexpected = sorted(set(state) - set(expected))
+        wrong = sorted(
+            f"{k}: checkpoint {tuple(state[k].shape)}, expected {tuple(expected[k])}"
+            for k in set(state) & set(expected)
+            if state[k].shape != expected[k]
+        )
+        problems = []
+        if missing:
+            problems.append(f"missing weights {missing}")
+        if unexpected:
+            problems.append(f"unexpected weights {unexpected}")
+        if wrong:
+            problems.append(f"wrong shapes [{'; '.join(wrong)}]")
+        if problems:
+            raise ValueError(f"malformed DFlash checkpoint {path}: " + ", ".join(problems))
+        model = model.to_empty(device=device or "cpu")
+        model.load_state_dict(state, strict=True)
+        model.rotary_emb = DFlashRotaryEmbedding(config).to(device=device or "cpu")  # buffers were on meta
+        if dtype is not None:
+            model = model.to(dtype=dtype)
+        return model
+
+    def save_pretrained(self, path) -> None:
+        """Write ``config.json`` + ``model.safetensors`` in the published format."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        cfg = self.config.to_dict()
+        for k in ("dflash_config", "target_layer_ids", "mask_token_id"):
+            cfg.pop(k, None)
+        cfg.update(self.dflash_config.to_dict())
+        cfg["architectures"] = ["DFlashDraftModel"]
+        cfg["model_type"] = "qwen3"
+        # Also the legacy flat rope_theta that published checkpoints carry.
+        rope = cfg.get("rope_parameters") or {}
+        if "rope_theta" in rope:
+            cfg["rope_theta"] = rope["rope_theta"]
+        (path / _CONFIG_NAME).write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        save_file(state, str(path / _WEIGHTS_NAME), metadata={"format": "pt"})
+
+
+def _full_attention_rope(tcfg) -> dict:
+    rope = getattr(tcfg, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0}
+    if "full_attention" in rope and isinstance(rope["full_attention"], dict):  # per-layer-type (Gemma3)
+        rope = rope["full_attention"]
+    return dict(rope)
+
+
+def _qwen3_config(raw: dict, dflash: DFlashConfig) -> Qwen3Config:
+    fields = {k: v for k, v in raw.items() if k not in ("dflash_config", "architectures", "auto_map", "model_type")}
+    fields["layer_types"] = list(dflash.layer_types)
+    if fields.get("rope_parameters") is None:
+        fields["rope_parameters"] = {
+            "rope_type": (raw.get("rope_scaling") or {}).get("rope_type", "default"),
+            **(raw.get("rope_scaling") or {}),
+            "rope_theta": raw.get("rope_theta", 10000.0),
+        }
+    fields.pop("rope_scaling", None)
+    fields.pop("rope_theta", None)
+    for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+        if name not in fields:
+            raise ValueError(f"config.json has no {name}")
+    if fields.get("head_dim") is None:
+        fields["head_dim"] = fields["hidden_size"] // fields["num_attention_heads"]
+    if fields.get("num_key_value_heads") is None:
+        fields["num_key_value_heads"] = fields["num_attention_heads"]
+    return Qwen3Config(**fields)
