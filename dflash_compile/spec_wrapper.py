@@ -1,15 +1,27 @@
-"""DFlashSpecWrapper: a Hugging Face causal LM and a DFlash drafter, generating losslessly together."""
+"""DFlashSpecWrapper: a Hugging Face causal LM and a DFlash drafter, generating losslessly together.
+
+``forward`` is ONE speculative step for a batch bucket — target verify, acceptance, DFlash propose — as plain,
+static-shaped torch over the paged KV pools, with no host synchronisation. ``prefill`` (per request, outside
+``forward``) and ``generate`` (the host loop) drive it.
+"""
 
 from __future__ import annotations
 
+import inspect
+from collections import deque
+from dataclasses import dataclass, field
+
 import torch
 from torch import nn
-from transformers import DynamicCache
 
 from .draft_model import DFlashDraftModel
-from .generation import DFlashGenerateOutput, DFlashStats, resolve_generation_args
+from .generation import DFlashGenerateOutput, DFlashStats, GenerationArgs, resolve_generation_args
 from .hidden_states import AuxHiddenStates, decoder_layers
+from .kv_cache import PagedKVCache, paged_target_cache, read_slots, write_slots
 from .rejection import greedy_accept
+
+DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16)
+_MASKABLE = ("sdpa", "eager")
 
 
 def validate_pair(target: nn.Module, draft: DFlashDraftModel, num_speculative_tokens: int | None = None) -> None:
@@ -46,28 +58,211 @@ def validate_pair(target: nn.Module, draft: DFlashDraftModel, num_speculative_to
         raise ValueError(f"device mismatch: drafter on {dp.device}, target on {tp.device}")
 
 
-class DFlashSpecWrapper(nn.Module):
-    """A target causal LM and its DFlash drafter.
+def _target_layer_kinds(tcfg) -> tuple[tuple[str, ...] | None, int | None]:
+    """Attention kinds the target's layers use (None: one causal mask for all) and its sliding window."""
+    window = getattr(tcfg, "sliding_window", None)
+    kinds = getattr(tcfg, "layer_types", None)
+    if kinds:
+        unknown = sorted(set(kinds) - {"full_attention", "sliding_attention"})
+        if unknown:
+            raise NotImplementedError(f"target layer types {unknown} are not supported (full and sliding only)")
+        return (tuple(sorted(set(kinds))) if "sliding_attention" in kinds else None), window
+    return (("sliding_attention",) if window is not None else None), window
 
-    ``generate`` follows HF ``generate``: greedy output is token-identical to
-    ``target.generate(do_sample=False)``; ``return_dict_in_generate=True`` adds speculation counters.
+
+@dataclass
+class _Request:
+    index: int
+    prompt: list[int]
+    new: list[int] = field(default_factory=list)
+    stats: DFlashStats = field(default_factory=DFlashStats)
+    finish_reason: str | None = None
+    seq_len: int = 0  # tokens in the target cache = position of the pending block's first token
+    block: torch.Tensor | None = None  # [1, block_size]: bonus + drafts, to verify next
+
+
+class DFlashSpecWrapper(nn.Module):
+    """A target causal LM and its DFlash drafter over one paged KV cache.
+
+    Args:
+        target: any HF causal LM (``sdpa`` or ``eager`` attention).
+        draft: a ``DFlashDraftModel`` for it (bound to ``target`` here).
+        num_speculative_tokens: optional check; must equal ``block_size - 1``.
+        max_batch_size: the most requests decoded at once (larger batches are queued).
+        max_seq_len: capacity per request, prompt included (default: ``min(max_position_embeddings, 2048)``).
+        page_size: KV block size, in tokens.
+        batch_buckets: step batch sizes; a step runs at the smallest bucket that holds the live requests, so
+            each bucket reuses one compiled step graph.
+
+    ``generate`` follows HF ``generate``; greedy output is token-identical to ``target.generate``.
     """
 
-    def __init__(self, target: nn.Module, draft: DFlashDraftModel, num_speculative_tokens: int | None = None):
+    def __init__(
+        self,
+        target: nn.Module,
+        draft: DFlashDraftModel,
+        num_speculative_tokens: int | None = None,
+        *,
+        max_batch_size: int = 8,
+        max_seq_len: int | None = None,
+        page_size: int = 16,
+        batch_buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS,
+    ):
         super().__init__()
         validate_pair(target, draft, num_speculative_tokens)
+        tcfg = target.config.get_text_config()
+        attn = getattr(target.config, "_attn_implementation", None) or "eager"
+        if attn not in _MASKABLE:
+            raise ValueError(
+                f"target attention implementation {attn!r} is not supported: load it with "
+                f"attn_implementation='sdpa' (or 'eager')"
+            )
+        if max_batch_size < 1 or page_size < 1:
+            raise ValueError(f"max_batch_size and page_size must be >= 1, got {max_batch_size}, {page_size}")
         self.target = target
         self.draft = draft.bind_target(target)
         self.aux = AuxHiddenStates(target, draft.dflash_config.target_layer_ids)
+        self.max_batch_size = max_batch_size
+        self.max_seq_len = max_seq_len or min(tcfg.max_position_embeddings, 2048)
+        if self.max_seq_len < 2:
+            raise ValueError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
+        self.page_size = page_size
+        self.batch_buckets = tuple(sorted({b for b in batch_buckets if 0 < b < max_batch_size} | {max_batch_size}))
+        self._eager_mask = attn == "eager"
+        self._mask_kinds, self._window = _target_layer_kinds(tcfg)
+        self._logits_to_keep = "logits_to_keep" in inspect.signature(target.forward).parameters
+        self._cache: PagedKVCache | None = None
 
     @property
     def block_size(self) -> int:
         return self.draft.block_size
 
+    # ------------------------------------------------------------------ the step
+    def forward(self, block, seq_lens, block_tables, active, target_pool, draft_pool):
+        """One speculative step for a batch bucket of ``Bk`` rows.
+
+        ``block [Bk, B]`` = each row's bonus token and drafts (at positions ``seq_lens + 0..B-1``),
+        ``seq_lens [Bk]`` tokens already in the cache, ``block_tables [Bk, NB]``, ``active [Bk]`` (False for
+        bucket padding), the two pools (written in place).
+        Returns ``tokens [Bk, B]`` (accepted drafts then the target's next token, padded with -1),
+        ``num_accepted [Bk]`` and ``next_block [Bk, B]`` (the new bonus and its drafts).
+        """
+        B = block.shape[1]
+        offsets = torch.arange(B, device=block.device)
+        positions = seq_lens[:, None] + offsets  # [Bk, B]
+        in_capacity = (positions < self.max_seq_len) & active[:, None]
+        kv_lens = torch.clamp(seq_lens + B, max=self.max_seq_len)  # [Bk]
+
+        logits, aux = self._target_forward(block, positions, in_capacity, kv_lens, block_tables, active, target_pool)
+        target_tokens = logits.argmax(-1)  # [Bk, B]
+        tokens, num_accepted = greedy_accept(block[:, 1:], target_tokens)
+        tokens = torch.where(active[:, None], tokens, -1)
+        num_accepted = torch.where(active, num_accepted, 0)
+
+        # Context rows for the drafter: the bonus and the accepted drafts; rejected rows write nowhere.
+        accepted = offsets[None, :] <= num_accepted[:, None]  # [Bk, B]
+        self._inject(aux, positions, accepted & in_capacity, block_tables, draft_pool)
+
+        bonus = target_tokens.gather(1, num_accepted[:, None])  # [Bk, 1]
+        next_block = self._propose(bonus, seq_lens + num_accepted + 1, block_tables, active, draft_pool)
+        return tokens, num_accepted, next_block
+
+    def _target_mask(self, positions, kv_lens, key_pos, active):
+        # [Bk, 1, T, S] boolean: causal over the row's own written positions. Padded rows see only key 0 (the
+        # zero slot) so attention stays finite.
+        visible = (key_pos[None, None, :] <= positions[:, :, None]) & (key_pos[None, None, :] < kv_lens[:, None, None])
+        dead = (~active)[:, None, None] & (key_pos == 0)[None, None, :]
+        masks = {"full_attention": visible}
+        if self._mask_kinds is not None and "sliding_attention" in self._mask_kinds:
+            masks["sliding_attention"] = visible & (positions[:, :, None] - key_pos[None, None, :] < self._window)
+        for kind, m in masks.items():
+            m = (m | dead)[:, None]
+            if self._eager_mask:  # eager attention adds the mask
+                m = torch.zeros(m.shape, dtype=self.draft.fc.weight.dtype, device=m.device).masked_fill(
+                    ~m, torch.finfo(self.draft.fc.weight.dtype).min
+                )
+            masks[kind] = m
+        if self._mask_kinds is None:
+            return masks["full_attention"]
+        return {kind: masks[kind] for kind in self._mask_kinds}
+
+    def _target_forward(self, ids, positions, write_ok, kv_lens, block_tables, active, target_pool, last_only=False):
+        """Target over ``ids [Bk, T]`` at ``positions``; K/V land in the paged pool. -> (logits, aux hidden)."""
+        write = write_slots(block_tables, positions, write_ok, self.page_size)
+        read, key_pos = read_slots(block_tables, torch.where(active, kv_lens, 0), self.page_size)
+        mask = self._target_mask(positions, kv_lens, key_pos, active)
+        extra = {"logits_to_keep": 1} if last_only and self._logits_to_keep else {}
+        out = self.target(
+            input_ids=ids,
+            position_ids=positions,
+            attention_mask=mask,
+            cache=paged_target_cache(target_pool, write, read),
+            use_cache=True,
+            **extra,
+        )
+        return out.logits, self.aux.read()
+
+    def _inject(self, aux, positions, valid, block_tables, draft_pool):
+        """Project context rows to every draft layer's K/V and scatter them into the drafter pool."""
+        ctx = self.draft.context_features(aux)  # [Bk, T, H]
+        k, v = self.draft.context_kv(ctx, positions)  # [Ld, Bk, T, Hkv, D] each
+        slots = write_slots(block_tables, positions, valid, self.page_size).flatten()  # [Bk * T]
+        draft_pool[:, :, slots] = torch.stack([k, v], dim=1).flatten(2, 3)
+
+    def _propose(self, bonus, ctx_lens, block_tables, active, draft_pool):
+        """Draft a block after ``bonus [Bk, 1]`` at position ``ctx_lens``; -> ``[Bk, B]`` bonus + drafts."""
+        Bk, B = bonus.shape[0], self.block_size
+        block = torch.cat([bonus, bonus.new_full((Bk, B - 1), self.draft.mask_token_id)], dim=1)
+        positions = ctx_lens[:, None] + torch.arange(B, device=bonus.device)
+        ctx_lens = torch.where(active, ctx_lens, 0)
+        read, key_pos = read_slots(block_tables, ctx_lens, self.page_size)
+        kv = draft_pool[:, :, read]  # [Ld, 2, Bk, S, Hkv, D]
+        valid = key_pos[None, :] < ctx_lens[:, None]
+        logits = self.draft(block, positions, kv[:, 0], kv[:, 1], key_pos.expand(Bk, -1), valid)
+        return torch.cat([bonus, logits.argmax(-1)], dim=1)
+
+    # ------------------------------------------------------------------ prefill
+    def prefill(self, input_ids: torch.Tensor, block_table: torch.Tensor, cache: PagedKVCache) -> torch.Tensor:
+        """Run one prompt ``[1, L]`` through the target into the pool, inject its context features into the
+        drafter's cache and draft the first block. Returns ``[1, B]``: the first token and its drafts."""
+        L = input_ids.shape[1]
+        device = input_ids.device
+        positions = torch.arange(L, device=device)[None]
+        ok = torch.ones(1, L, dtype=torch.bool, device=device)
+        lens = torch.tensor([L], device=device)
+        active = torch.ones(1, dtype=torch.bool, device=device)
+        logits, aux = self._target_forward(
+            input_ids, positions, ok, lens, block_table, active, cache.target_pool, last_only=True
+        )
+        self._inject(aux, positions, ok, block_table, cache.draft_pool)
+        bonus = logits[:, -1].argmax(-1, keepdim=True)
+        return self._propose(bonus, lens, block_table, active, cache.draft_pool)
+
+    # ------------------------------------------------------------------ host loop
+    def kv_cache(self) -> PagedKVCache:
+        """The paged pools, (re)allocated on the target's device and dtype when needed."""
+        p = next(self.target.parameters())
+        c = self._cache
+        if c is None or c.device != p.device or c.target_pool.dtype != p.dtype:
+            tcfg = self.target.config.get_text_config()
+            t_heads = getattr(tcfg, "num_key_value_heads", None) or tcfg.num_attention_heads
+            t_dim = getattr(tcfg, "head_dim", None) or tcfg.hidden_size // tcfg.num_attention_heads
+            dcfg = self.draft.config
+            self._cache = PagedKVCache(
+                max_batch_size=self.max_batch_size,
+                max_seq_len=self.max_seq_len,
+                page_size=self.page_size,
+                target_shape=(len(decoder_layers(self.target)), t_heads, t_dim),
+                draft_shape=(dcfg.num_hidden_layers, dcfg.num_key_value_heads, dcfg.head_dim),
+                dtype=p.dtype,
+                device=p.device,
+            )
+        return self._cache
+
     @torch.no_grad()
     def generate(
         self,
-        input_ids: torch.Tensor,
+        input_ids,
         attention_mask: torch.Tensor | None = None,
         max_new_tokens: int | None = None,
         eos_token_id=None,
@@ -75,70 +270,144 @@ class DFlashSpecWrapper(nn.Module):
         return_dict_in_generate: bool = False,
         **kwargs,
     ):
-        """Generate like HF ``generate``; returns ``[B, L + new]`` or a ``DFlashGenerateOutput``."""
-        input_ids = torch.as_tensor(input_ids)
-        if input_ids.dim() == 1:
-            input_ids = input_ids[None]
-        if input_ids.shape[0] != 1:
-            raise NotImplementedError("batch size > 1 is not supported yet")
-        if attention_mask is not None and not bool(torch.as_tensor(attention_mask).all()):
-            raise NotImplementedError("padded prompts are not supported yet")
-        if input_ids.shape[1] == 0:
-            raise ValueError("the prompt is empty")
+        """Generate like HF ``generate``.
+
+        ``input_ids`` is a ``[B, L]`` tensor, left-padded with ``attention_mask`` (HF convention), or a list of
+        token-id lists. Returns ``[B, L + new]`` (prompt included, finished rows padded with
+        ``pad_token_id``), or with ``return_dict_in_generate=True`` a ``DFlashGenerateOutput``.
+        """
+        device = next(self.target.parameters()).device
+        pad_for_inference = pad_token_id
+        if pad_for_inference is None:
+            pad_for_inference = getattr(kwargs.get("generation_config") or self.target.generation_config,
+                                        "pad_token_id", None)
+        prompts, prefix = self._prompts(input_ids, attention_mask, pad_for_inference)
         args = resolve_generation_args(
             self.target,
-            input_ids.shape[1],
+            prefix.shape[1] if prefix is not None else max(len(p) for p in prompts),
             dict(kwargs, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, pad_token_id=pad_token_id),
         )
-        device = next(self.target.parameters()).device
-        input_ids = input_ids.to(device)
-        new_tokens, stats, reason = self._generate_one(input_ids, args)
-        sequences = torch.cat([input_ids, torch.tensor([new_tokens], device=device)], dim=1)
+        vocab = self.draft.config.vocab_size
+        for i, p in enumerate(prompts):
+            if not p:
+                raise ValueError(f"prompt {i} is empty")
+            if len(p) > self.max_seq_len:
+                raise ValueError(f"prompt {i} has {len(p)} tokens, more than max_seq_len={self.max_seq_len}")
+            bad = [t for t in p if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt {i} has token ids {bad[:5]} outside the vocabulary [0, {vocab})")
+        if len(prompts) > 1 and args.pad_token_id is None:
+            raise ValueError("pad_token_id (or an eos_token_id) is required to pad a batch of several prompts")
+        if prefix is None:
+            prefix = _left_pad(prompts, args.pad_token_id)
+
+        requests = [_Request(i, p) for i, p in enumerate(prompts)]
+        self._run(requests, args, device)
+
+        width = max(len(r.new) for r in requests)
+        pad = args.pad_token_id if args.pad_token_id is not None else 0  # only used when width allows no pad
+        new = torch.tensor([r.new + [pad] * (width - len(r.new)) for r in requests], dtype=torch.long)
+        sequences = torch.cat([prefix.cpu(), new], dim=1).to(device)
         if not return_dict_in_generate:
             return sequences
-        return DFlashGenerateOutput.build(sequences, [stats], [reason], self.block_size - 1)
+        return DFlashGenerateOutput.build(
+            sequences, [r.stats for r in requests], [r.finish_reason for r in requests], self.block_size - 1
+        )
 
-    def _target_forward(self, ids, positions, cache):
-        logits = self.target(input_ids=ids, position_ids=positions, cache=cache, use_cache=True).logits
-        return logits, self.aux.read()
+    def _run(self, requests: list[_Request], args: GenerationArgs, device) -> None:
+        cache = self.kv_cache()
+        B = self.block_size
+        waiting = deque(requests)
+        running: list[_Request] = []
+        while waiting or running:
+            while waiting and len(running) < self.max_batch_size:
+                r = waiting.popleft()
+                if self._admit(r, cache, args, device):
+                    running.append(r)
+            if not running:
+                continue
+            bucket = next(b for b in self.batch_buckets if b >= len(running))
+            pad_rows = bucket - len(running)
+            for r in running:
+                cache.ensure(r.index, r.seq_len + B)
+            block = torch.cat([r.block for r in running] + [running[0].block.new_zeros(pad_rows, B)])
+            seq_lens = torch.tensor([r.seq_len for r in running] + [0] * pad_rows, device=device)
+            active = torch.arange(bucket, device=device) < len(running)
+            tables = cache.block_table([r.index for r in running] + [None] * pad_rows)
+            step_inputs = (block, seq_lens, tables, active)
+            for t in step_inputs:
+                torch._dynamo.mark_static(t)  # one graph per bucket, never an automatic-dynamic one
+            tokens, num_accepted, next_block = self(*step_inputs, cache.target_pool, cache.draft_pool)
+            tokens, num_accepted = tokens.tolist(), num_accepted.tolist()  # the step's one host read
+            still = []
+            for i, r in enumerate(running):
+                a = num_accepted[i]
+                r.stats.record(B - 1, a)
+                r.seq_len += a + 1
+                r.block = next_block[i : i + 1]
+                for t in tokens[i][: a + 1]:
+                    if self._emit(r, t, args):
+                        break
+                if r.finish_reason is None:
+                    still.append(r)
+                else:
+                    cache.free(r.index)
+            running = still
 
-    def _generate_one(self, input_ids, args):
-        draft, B = self.draft, self.block_size
-        device = input_ids.device
-        L = input_ids.shape[1]
-        cache = DynamicCache()
-        stats = DFlashStats()
-        positions = torch.arange(L, device=device)[None]
-        logits, aux = self._target_forward(input_ids, positions, cache)
-        ctx_k, ctx_v = draft.context_kv(draft.context_features(aux), positions)  # [Ld, 1, L, Hkv, D]
-        ctx_pos = positions
-        bonus = int(logits[0, -1].argmax())
-        out = [bonus]
-        seq_len = L
-        offsets = torch.arange(B, device=device)
-        while not self._finished(out, args):
-            block_pos = (seq_len + offsets)[None]  # [1, B]
-            block = torch.full((1, B), draft.mask_token_id, device=device)
-            block[0, 0] = bonus
-            valid = torch.ones_like(ctx_pos, dtype=torch.bool)
-            drafts = draft(block, block_pos, ctx_k, ctx_v, ctx_pos, valid).argmax(-1)  # [1, B - 1]
-            verify = torch.cat([block[:, :1], drafts], dim=1)
-            logits, aux = self._target_forward(verify, block_pos, cache)
-            tokens, num_accepted = greedy_accept(drafts, logits.argmax(-1))
-            a = int(num_accepted[0])
-            stats.record(B - 1, a)
-            cache.crop(-(B - (a + 1)))  # keep the bonus and the accepted drafts
-            new_k, new_v = draft.context_kv(draft.context_features(aux[:, : a + 1]), block_pos[:, : a + 1])
-            ctx_k, ctx_v = torch.cat([ctx_k, new_k], dim=2), torch.cat([ctx_v, new_v], dim=2)
-            ctx_pos = torch.cat([ctx_pos, block_pos[:, : a + 1]], dim=1)
-            for t in tokens[0, : a + 1].tolist():
-                out.append(t)
-                if self._finished(out, args):
-                    break
-            bonus = out[-1]
-            seq_len += a + 1
-        return out, stats, "stop" if out[-1] in args.eos_token_ids else "length"
+    def _admit(self, r: _Request, cache: PagedKVCache, args: GenerationArgs, device) -> bool:
+        """Prefill ``r``; False when it finished without needing a step."""
+        if len(r.prompt) >= self.max_seq_len:
+            r.finish_reason = "length"
+            return False
+        cache.ensure(r.index, len(r.prompt))
+        ids = torch.tensor([r.prompt], device=device)
+        r.block = self.prefill(ids, cache.block_table([r.index]), cache)
+        r.seq_len = len(r.prompt)
+        if self._emit(r, int(r.block[0, 0]), args):
+            cache.free(r.index)
+            return False
+        return True
 
-    @staticmethod
-    def _finished(out, args) -> bool:
-        return len(out) >= args.max_new_tokens or out[-1] in args.eos_token_ids
+    def _emit(self, r: _Request, token: int, args: GenerationArgs) -> bool:
+        """Append ``token`` to ``r``; True when ``r`` is finished."""
+        r.new.append(token)
+        if token in args.eos_token_ids:
+            r.finish_reason = "stop"
+        elif len(r.new) >= args.max_new_tokens or len(r.prompt) + len(r.new) >= self.max_seq_len:
+            r.finish_reason = "length"
+        return r.finish_reason is not None
+
+    def _prompts(self, input_ids, attention_mask, pad_token_id):
+        """-> (token lists without padding, the left-padded input tensor to prefix the output or None)."""
+        if isinstance(input_ids, (list, tuple)) and (not input_ids or not isinstance(input_ids[0], torch.Tensor)):
+            if attention_mask is not None:
+                raise ValueError("attention_mask goes with a tensor input_ids, not with a list of prompts")
+            if not input_ids:
+                raise ValueError("no prompts given")
+            if isinstance(input_ids[0], int):
+                input_ids = [input_ids]
+            return [list(map(int, p)) for p in input_ids], None
+        ids = torch.as_tensor(input_ids)
+        if ids.dim() == 1:
+            ids = ids[None]
+        if ids.dim() != 2 or ids.shape[0] == 0:
+            raise ValueError(f"input_ids must be [batch, length], got shape {tuple(ids.shape)}")
+        if attention_mask is None:
+            if pad_token_id is not None and ids.shape[0] > 1 and bool((ids == pad_token_id).any()):
+                attention_mask = ids != pad_token_id  # HF infers the mask from pad tokens the same way
+            else:
+                attention_mask = torch.ones_like(ids, dtype=torch.bool)
+        mask = torch.as_tensor(attention_mask).to(torch.bool).cpu()
+        if mask.shape != ids.shape:
+            raise ValueError(f"attention_mask {tuple(mask.shape)} does not match input_ids {tuple(ids.shape)}")
+        # Left padding only: once a row starts, it has no holes.
+        started = mask.long().cummax(dim=1).values.bool()
+        if bool((started & ~mask).any()):
+            raise ValueError("attention_mask must be left-padded (HF convention: tokenizer.padding_side='left')")
+        ids_cpu = ids.cpu()
+        return [ids_cpu[i][mask[i]].tolist() for i in range(ids.shape[0])], ids
+
+
+def _left_pad(prompts: list[list[int]], pad: int | None) -> torch.Tensor:
+    width = max(len(p) for p in prompts)
+    return torch.tensor([[pad] * (width - len(p)) + p for p in prompts], dtype=torch.long)

@@ -1,0 +1,156 @@
+"""Paged K/V pools shared by the target and the drafter, and the HF ``Cache`` adapter for the target.
+
+Layout. Each model has one pool tensor ``[num_layers, 2 (K, V), num_slots + 2, kv_heads, head_dim]``. A slot
+is one token position of one request; slots come in KV blocks of ``page_size`` and every request owns one
+block table (block ids, ``-1`` where unallocated) that indexes BOTH pools: position ``p`` of a request lives
+in the same slot of the target pool and of the drafter pool (vLLM allocates block tables spanning the
+target's and the draft's layers the same way).
+
+Two extra slots sit at the end of each pool:
+- ``TRASH_SLOT`` (-1): every write that must land nowhere (padded rows, rejected positions, positions past
+  capacity) goes here. It is never read.
+- ``ZERO_SLOT`` (-2): every read of a position that holds nothing for that request maps here. It is never
+  written, so masked keys are exact zeros and garbage (even NaN) in another request's blocks or in the
+  trash can never leak through ``0 * x`` in attention.
+
+Rollback of rejected tokens is by length only: a request's ``seq_len`` moves back and later writes overwrite
+the stale slots; nothing is copied.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+TRASH_SLOT = -1
+ZERO_SLOT = -2
+
+
+def _paged_slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``block_table[pos // block_size] * block_size + pos % block_size`` per row.
+
+    ``block_table [B, num_blocks]``, ``positions [B, T]`` (each ``< num_blocks * block_size``) -> ``[B, T]``.
+    ``block_size`` is the KV block (page) size.
+    """
+    return block_table.gather(1, positions // block_size) * block_size + positions % block_size
+
+
+def write_slots(block_table, positions, valid, block_size):
+    """Slots to write ``positions`` to; ``TRASH_SLOT`` where ``valid`` is False (``[B, T]`` each)."""
+    last = block_table.shape[1] * block_size - 1
+    slots = _paged_slots(block_table, positions.clamp(0, last), block_size)
+    return torch.where(valid, slots, TRASH_SLOT)
+
+
+def read_slots(block_table, kv_lens, block_size):
+    """Slots of positions ``0 .. num_blocks * block_size - 1`` of each row; ``ZERO_SLOT`` at ``>= kv_lens``.
+
+    Returns ``(slots [B, S], key_positions [S])``.
+    """
+    S = block_table.shape[1] * block_size
+    key_pos = torch.arange(S, device=block_table.device)
+    slots = _paged_slots(block_table, key_pos.expand(block_table.shape[0], S), block_size)
+    return torch.where(key_pos[None, :] < kv_lens[:, None], slots, ZERO_SLOT), key_pos
+
+
+class PagedKVCache:
+    """Host-side owner of the two pools and of the KV blocks of each request."""
+
+    def __init__(
+        self,
+        *,
+        max_batch_size: int,
+        max_seq_len: int,
+        page_size: int,
+        target_shape: tuple[int, int, int],
+        draft_shape: tuple[int, int, int],
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ):
+        self.page_size = page_size
+        self.max_seq_len = max_seq_len
+        self.blocks_per_seq = math.ceil(max_seq_len / page_size)
+        self.num_blocks = max_batch_size * self.blocks_per_seq
+        slots = self.num_blocks * page_size + 2  # + ZERO_SLOT, TRASH_SLOT
+        Lt, Ht, Dt = target_shape
+        Ld, Hd, Dd = draft_shape
+        self.target_pool = torch.zeros(Lt, 2, slots, Ht, Dt, dtype=dtype, device=device)
+        self.draft_pool = torch.zeros(Ld, 2, slots, Hd, Dd, dtype=dtype, device=device)
+        self._free = list(range(self.num_blocks - 1, -1, -1))  # pop() hands out low ids first
+        self._owned: dict[int, list[int]] = {}
+
+    @property
+    def device(self) -> torch.device:
+        return self.target_pool.device
+
+    def ensure(self, request: int, num_tokens: int) -> None:
+        """Make ``request``'s blocks cover positions ``[0, min(num_tokens, max_seq_len))``."""
+        need = math.ceil(min(num_tokens, self.max_seq_len) / self.page_size)
+        owned = self._owned.setdefault(request, [])
+        while len(owned) < need:
+            if not self._free:
+                raise RuntimeError("the KV pool is out of blocks")  # sized so this cannot happen
+            owned.append(self._free.pop())
+
+    def free(self, request: int) -> None:
+        self._free.extend(reversed(self._owned.pop(request, [])))
+
+    def blocks(self, request: int) -> list[int]:
+        return list(self._owned.get(request, []))
+
+    def block_table(self, requests: list[int | None]) -> torch.Tensor:
+        """``[len(requests), blocks_per_seq]`` int64 table; ``None`` rows (bucket padding) are all -1."""
+        table = torch.full((len(requests), self.blocks_per_seq), -1, dtype=torch.long)
+        for row, request in enumerate(requests):
+            owned = self._owned.get(request, []) if request is not None else []
+            table[row, : len(owned)] = torch.tensor(owned, dtype=torch.long)
+        return table.to(self.device)
+
+    def slots_of(self, request: int) -> torch.Tensor:
+        """Every slot of ``request``'s blocks (for tests and debugging)."""
+        blocks = torch.tensor(self.blocks(request), dtype=torch.long)
+        return (blocks[:, None] * self.page_size + torch.arange(self.page_size)).flatten().to(self.device)
+
+
+class PagedTargetLayer(CacheLayerMixin):
+    """One target decoder layer's view of the pool: ``update`` scatters the new K/V at their slots and
+    returns each row's dense K/V gathered through the block table (``[B, kv_heads, S, head_dim]``)."""
+
+    is_compileable = True
+    is_sliding = False
+
+    def __init__(self, pool: torch.Tensor, write: torch.Tensor, read: torch.Tensor):
+        super().__init__()
+        self.pool = pool  # [2, slots, kv_heads, head_dim], a view of the target pool
+        self.write = write  # [B * T] flat slots
+        self.read = read  # [B, S]
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        pass
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        # key_states/value_states [B, Hkv, T, D] -> rows [B * T, Hkv, D] at self.write
+        B, H, T, D = key_states.shape
+        if self.pool.shape[-2:] != (H, D):
+            raise ValueError(f"target K/V are [{H}, {D}] per token, the pool holds {tuple(self.pool.shape[-2:])}")
+        self.pool[:, self.write] = torch.stack([key_states, value_states]).transpose(2, 3).reshape(2, B * T, H, D)
+        k, v = self.pool[:, self.read].transpose(2, 3).unbind(0)  # [B, Hkv, S, D] each
+        return k, v
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.read.shape[1], 0
+
+    def get_seq_length(self) -> int:
+        return 0  # positions are always passed explicitly
+
+    def get_max_length(self) -> int:
+        return self.read.shape[1]
+
+
+def paged_target_cache(target_pool: torch.Tensor, write: torch.Tensor, read: torch.Tensor) -> Cache:
+    """An HF ``Cache`` whose layers read and write ``target_pool`` through slot tensors."""
+    flat = write.reshape(-1)
+    return Cache(layers=[PagedTargetLayer(target_pool[i], flat, read) for i in range(target_pool.shape[0])])

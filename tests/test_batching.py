@@ -1,0 +1,186 @@
+"""Batched generation over the paged cache: batch invariance, isolation, capacity, one graph per bucket."""
+
+import pytest
+import torch
+
+from dflash_compile import DFlashDraftModel, DFlashSpecWrapper
+from dflash_compile.kv_cache import TRASH_SLOT, ZERO_SLOT
+from tiny_models import FAMILIES, VOCAB, tiny_target
+
+MAX_NEW = 16
+LENGTHS = [2, 40, 7, 13, 25, 3, 31, 18]
+PAD = VOCAB - 2  # never produced as an eos here; only fills
+
+
+def _prompts(lengths=LENGTHS, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB - 2, (n,), generator=g).tolist() for n in lengths]
+
+
+def _left_padded(prompts):
+    width = max(map(len, prompts))
+    ids = torch.tensor([[PAD] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
+
+
+def _new_tokens(sequences, prompts, width=None):
+    width = width if width is not None else sequences.shape[1] - MAX_NEW
+    return [row[width:].tolist() for row in sequences]
+
+
+def _pair(family, always_right=False, **kw):
+    target = tiny_target(family)
+    if always_right:
+        with torch.no_grad():
+            target.get_output_embeddings().weight.zero_()
+    draft = DFlashDraftModel.from_target(target, num_layers=2, block_size=4, target_layer_ids=[1, 3], seed=0)
+    kw.setdefault("max_seq_len", 128)
+    return target, DFlashSpecWrapper(target, draft, **kw)
+
+
+def _reference(target, prompt, **kw):
+    out = target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=MAX_NEW, **kw)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("always_right", [False, True], ids=["random", "always_right"])
+def test_batch_invariance(family, always_right):
+    target, spec = _pair(family, always_right)
+    prompts = _prompts()
+    refs = [_reference(target, p) for p in prompts]
+    alone = [spec.generate([p], max_new_tokens=MAX_NEW)[0, len(p):].tolist() for p in prompts]
+    assert alone == refs
+
+    ids, mask = _left_padded(prompts)  # HF style: a left-padded tensor and its attention mask
+    out8 = spec.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, pad_token_id=PAD,
+                         return_dict_in_generate=True)
+    assert out8.sequences.shape == (8, 40 + MAX_NEW)
+    assert torch.equal(out8.sequences[:, :40], ids)
+    assert _new_tokens(out8.sequences, prompts) == refs
+    assert out8.finish_reasons == ["length"] * 8
+    assert sum(r.num_drafts for r in out8.per_request) == out8.num_drafts
+
+    out3 = spec.generate(prompts[:3], max_new_tokens=MAX_NEW, pad_token_id=PAD)  # a list of token lists
+    assert _new_tokens(out3, prompts[:3]) == refs[:3]
+    if always_right:
+        assert out8.acceptance_length == spec.block_size
+
+
+def test_rows_finish_independently_and_queue():
+    target, spec = _pair("qwen3", max_batch_size=3)  # 8 requests through 3 slots: finished rows make room
+    prompts = _prompts()
+    free = [_reference(target, p) for p in prompts]
+    eos = free[1][5]  # stops row 1 after 6 tokens; other rows stop wherever it first appears, or run out
+    refs = [_reference(target, p, eos_token_id=eos) for p in prompts]
+    out = spec.generate(prompts, max_new_tokens=MAX_NEW, eos_token_id=eos, pad_token_id=PAD,
+                        return_dict_in_generate=True)
+    width = max(map(len, prompts))
+    for i, ref in enumerate(refs):
+        row = out.sequences[i, width:].tolist()
+        assert row[: len(ref)] == ref
+        assert row[len(ref):] == [PAD] * (MAX_NEW - len(ref))  # finished rows produce nothing more
+        assert out.finish_reasons[i] == ("stop" if ref[-1] == eos else "length")
+    assert "stop" in out.finish_reasons and len(set(map(len, refs))) > 1
+
+
+def test_capacity():
+    target, spec = _pair("llama", max_seq_len=24, page_size=4)
+    prompts = [_prompts([20])[0], _prompts([5], seed=1)[0]]
+    out = spec.generate(prompts, max_new_tokens=MAX_NEW, pad_token_id=PAD, return_dict_in_generate=True)
+    assert out.finish_reasons == ["length", "length"]
+    assert out.sequences[0, 20:24].tolist() == _reference(target, prompts[0])[:4]  # 20 + 4 = max_seq_len
+    assert (out.sequences[0, 24:] == PAD).all()
+    assert out.sequences[1, 20:].tolist() == _reference(target, prompts[1])
+    with pytest.raises(ValueError, match="prompt 1 has 25 tokens, more than max_seq_len=24"):
+        spec.generate([[1, 2], list(range(25))], max_new_tokens=2, pad_token_id=PAD)
+
+
+class _WriteAuditor(DFlashSpecWrapper):
+    """Checks after every step that the pools changed only inside live requests' blocks (or the trash)."""
+
+    def forward(self, block, seq_lens, block_tables, active, target_pool, draft_pool):
+        before = target_pool.clone(), draft_pool.clone()
+        out = super().forward(block, seq_lens, block_tables, active, target_pool, draft_pool)
+        cache = self._cache
+        own = block_tables[active]
+        own = own[own >= 0]
+        allowed = torch.zeros(target_pool.shape[2], dtype=torch.bool)
+        allowed[(own[:, None] * cache.page_size + torch.arange(cache.page_size)).flatten()] = True
+        allowed[TRASH_SLOT] = True
+        for old, new in zip(before, (target_pool, draft_pool)):
+            changed = (old != new).flatten(3).any(-1).any(0).any(0)  # [slots]
+            assert not (changed & ~allowed).any(), "a write landed outside the live requests' blocks"
+            assert not changed[ZERO_SLOT]
+        self.audited = getattr(self, "audited", 0) + 1
+        return out
+
+
+def test_writes_stay_in_own_blocks():
+    target = tiny_target("gemma3")
+    draft = DFlashDraftModel.from_target(target, num_layers=2, block_size=4, target_layer_ids=[1, 3], seed=0)
+    spec = _WriteAuditor(target, draft, max_batch_size=4, max_seq_len=30, page_size=4)
+    prompts = _prompts([3, 27, 9, 14, 6])
+    spec.generate(prompts, max_new_tokens=MAX_NEW, pad_token_id=PAD)
+    assert spec.audited > 3
+
+
+class _Recorder(DFlashSpecWrapper):
+    """Records every row's proposed block, per request, so drafts (not only tokens) can be compared."""
+
+    def _run(self, requests, args, device):
+        self.drafts = {r.index: [] for r in requests}
+        super()._run(requests, args, device)
+
+    def _emit(self, r, token, args):
+        if r.block is not None:
+            self.drafts[r.index].append(r.block.tolist())
+        return super()._emit(r, token, args)
+
+
+class _Poisoner(_Recorder):
+    victim = 1
+
+    def _admit(self, r, cache, args, device):
+        alive = super()._admit(r, cache, args, device)
+        if r.index == self.victim:
+            slots = cache.slots_of(r.index)
+            cache.target_pool[:, :, slots] = float("nan")
+            cache.draft_pool[:, :, slots] = float("nan")
+        return alive
+
+
+@pytest.mark.parametrize("max_batch_size", [8, 2], ids=["together", "queued_reuse"])
+def test_poisoned_request_does_not_leak(max_batch_size):
+    target = tiny_target("qwen3")
+    draft = DFlashDraftModel.from_target(target, num_layers=2, block_size=4, target_layer_ids=[1, 3], seed=0)
+    prompts = _prompts([9, 21, 4, 16])
+    clean = _Recorder(target, draft, max_batch_size=max_batch_size, max_seq_len=64, page_size=4)
+    ref = clean.generate(prompts, max_new_tokens=MAX_NEW, pad_token_id=PAD, return_dict_in_generate=True)
+    poisoned = _Poisoner(target, draft, max_batch_size=max_batch_size, max_seq_len=64, page_size=4)
+    out = poisoned.generate(prompts, max_new_tokens=MAX_NEW, pad_token_id=PAD, return_dict_in_generate=True)
+    keep = [0, 2, 3]
+    assert torch.equal(out.sequences[keep], ref.sequences[keep])
+    # Verification would hide poisoned drafts in the tokens: compare every block the drafter proposed.
+    assert [poisoned.drafts[i] for i in keep] == [clean.drafts[i] for i in keep]
+    assert [out.per_request[i] for i in keep] == [ref.per_request[i] for i in keep]
+    assert not torch.equal(out.sequences[1], ref.sequences[1])  # the poison really reached the victim
+
+
+def test_left_padding_only():
+    _, spec = _pair("llama")
+    with pytest.raises(ValueError, match="left-padded"):
+        spec.generate(torch.tensor([[1, 2, 3]]), attention_mask=torch.tensor([[1, 1, 0]]), max_new_tokens=2)
+    with pytest.raises(ValueError, match="pad_token_id"):
+        spec.generate([[1, 2], [3]], max_new_tokens=2)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        spec.generate([[1, VOCAB]], max_new_tokens=2)
+
+
+def test_pad_inferred_like_hf():
+    target, spec = _pair("llama")
+    prompts = _prompts([4, 9])
+    ids, _ = _left_padded(prompts)
+    out = spec.generate(ids, max_new_tokens=MAX_NEW, pad_token_id=PAD)  # no mask: inferred from PAD
+    assert _new_tokens(out, prompts) == [_reference(target, p) for p in prompts]

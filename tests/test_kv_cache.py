@@ -1,0 +1,47 @@
+import torch
+
+from dflash_compile.kv_cache import TRASH_SLOT, ZERO_SLOT, PagedKVCache, _paged_slots, read_slots, write_slots
+
+
+def _cache(**kw):
+    args = dict(max_batch_size=2, max_seq_len=10, page_size=4, target_shape=(3, 2, 8), draft_shape=(2, 2, 8),
+                dtype=torch.float32, device="cpu")
+    return PagedKVCache(**{**args, **kw})
+
+
+def test_paged_slots_formula():
+    table = torch.tensor([[5, 2, 7], [0, 1, 3]])
+    pos = torch.tensor([[0, 3, 4, 9], [1, 5, 8, 11]])
+    expected = torch.tensor([[20, 23, 8, 29], [1, 5, 12, 15]])
+    assert torch.equal(_paged_slots(table, pos, 4), expected)
+
+
+def test_write_and_read_slots_mask():
+    table = torch.tensor([[5, 2, -1]])
+    w = write_slots(table, torch.tensor([[3, 4, 11]]), torch.tensor([[True, False, True]]), 4)
+    assert w.tolist() == [[23, TRASH_SLOT, _paged_slots(table, torch.tensor([[11]]), 4).item()]]
+    r, key_pos = read_slots(table, torch.tensor([6]), 4)
+    assert key_pos.tolist() == list(range(12))
+    assert r.tolist() == [[20, 21, 22, 23, 8, 9] + [ZERO_SLOT] * 6]
+
+
+def test_pool_layout_and_extra_slots():
+    c = _cache()
+    assert c.blocks_per_seq == 3 and c.num_blocks == 6
+    assert c.target_pool.shape == (3, 2, 6 * 4 + 2, 2, 8)
+    assert c.draft_pool.shape == (2, 2, 26, 2, 8)
+
+
+def test_allocate_grow_free():
+    c = _cache()
+    c.ensure(7, 5)
+    assert c.blocks(7) == [0, 1]
+    c.ensure(7, 5)
+    assert c.blocks(7) == [0, 1]
+    c.ensure(9, 100)  # capped at max_seq_len = 10 -> 3 blocks
+    assert c.blocks(9) == [2, 3, 4]
+    assert c.block_table([9, None, 7]).tolist() == [[2, 3, 4], [-1, -1, -1], [0, 1, -1]]
+    c.free(7)
+    c.ensure(11, 8)
+    assert sorted(c.blocks(11)) == [0, 1]
+    assert set(c.slots_of(11).tolist()) == set(range(8))
