@@ -1,0 +1,56 @@
+"""The step is one static graph per batch bucket: compiled once, never again, equal to eager."""
+
+import pytest
+import torch
+
+from dflash_compile import DFlashDraftModel, DFlashSpecWrapper
+from tiny_models import FAMILIES, VOCAB, tiny_target
+
+PAD = VOCAB - 2
+
+
+class CountingBackend:
+    def __init__(self):
+        self.graphs = []  # the batch size of each compiled step graph
+
+    def __call__(self, gm, example_inputs):
+        self.graphs.append(next(t.shape[0] for t in example_inputs if isinstance(t, torch.Tensor) and t.dim() == 2))
+        return gm.forward
+
+
+def _prompts(lengths, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB - 2, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_step_compiles_once_per_bucket(family):
+    target = tiny_target(family)
+    draft = DFlashDraftModel.from_target(target, num_layers=2, block_size=4, target_layer_ids=[1, 3], seed=0)
+    spec = DFlashSpecWrapper(target, draft, max_batch_size=4, batch_buckets=(4,), max_seq_len=96)
+    first, second = _prompts([3, 17, 9], 0), _prompts([30, 2, 11, 6], 1)
+    eager = [spec.generate(p, max_new_tokens=12, pad_token_id=PAD) for p in (first, second)]
+
+    backend = CountingBackend()
+    spec.compile(backend=backend, fullgraph=True)
+    torch._dynamo.reset()
+    assert torch.equal(spec.generate(first, max_new_tokens=12, pad_token_id=PAD), eager[0])
+    assert backend.graphs == [4]
+    with torch.compiler.set_stance("fail_on_recompile"):
+        assert torch.equal(spec.generate(second, max_new_tokens=12, pad_token_id=PAD), eager[1])
+    assert backend.graphs == [4]
+
+
+def test_one_graph_per_bucket():
+    target = tiny_target("llama")
+    draft = DFlashDraftModel.from_target(target, num_layers=2, block_size=4, target_layer_ids=[1, 3], seed=0)
+    spec = DFlashSpecWrapper(target, draft, max_batch_size=4, batch_buckets=(1, 2, 4), max_seq_len=96)
+    backend = CountingBackend()
+    spec.compile(backend=backend, fullgraph=True)
+    torch._dynamo.reset()
+    prompts = _prompts([5, 8, 13, 4], 2)
+    spec.generate(prompts[:1], max_new_tokens=6)
+    spec.generate(prompts[:2], max_new_tokens=6, pad_token_id=PAD)
+    spec.generate(prompts[:3], max_new_tokens=6, pad_token_id=PAD)
+    spec.generate(prompts, max_new_tokens=6, pad_token_id=PAD)
+    assert sorted(backend.graphs) == [1, 2, 4]  # 3 requests run in the 4 bucket; no dynamic-shape graph
