@@ -19,6 +19,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP
 
 from .config import DFlashConfig, default_target_layer_ids
+from .kv_cache import context_visibility
 
 _CONFIG_NAME = "config.json"
 _WEIGHTS_NAME = "model.safetensors"
@@ -111,9 +112,7 @@ class DFlashAttention(nn.Module):
         v = self.v_proj(h).view(B, Q, self.num_kv_heads, self.head_dim)
         k = torch.cat([ctx_k, k], dim=1).transpose(1, 2)  # [B, Hkv, S + Q, D]
         v = torch.cat([ctx_v, v], dim=1).transpose(1, 2)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k, v, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads
-        )  # [B, Hq, Q, D]
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, enable_gqa=True)  # [B, Hq, Q, D]
         return self.o_proj(out.transpose(1, 2).reshape(B, Q, self.num_heads * self.head_dim))
 
 
@@ -215,19 +214,20 @@ class DFlashDraftModel(nn.Module):
         cos, sin = self.rotary_emb(ctx, positions)  # [B, S, D]
         return apply_rope(k, cos, sin), kv[1]
 
-    def attention_mask(self, ctx_positions, ctx_valid, block_positions) -> list[torch.Tensor]:
-        """One ``[B, 1, Q, S + Q]`` boolean mask per layer: valid context keys + the whole block, non-causal.
-
-        Sliding-window layers additionally hide context keys ``window`` or more positions behind the query.
-        """
-        Q = block_positions.shape[1]
-        key_pos = torch.cat([ctx_positions, block_positions], dim=1)  # [B, S + Q]
-        key_ok = torch.cat([ctx_valid, ctx_valid.new_ones(ctx_valid.shape[0], Q)], dim=1)
-        full = key_ok[:, None, None, :].expand(-1, 1, Q, -1)
-        masks = {"full_attention": full}
-        if "sliding_attention" in self.dflash_config.layer_types:
-            dist = block_positions[:, None, :, None] - key_pos[:, None, None, :]
-            masks["sliding_attention"] = full & (dist < self.dflash_config.sliding_window)
+    def attention_mask(self, ctx_lens, num_ctx, block_positions) -> list[torch.Tensor]:
+        """One ``[B, 1, Q, S + Q]`` boolean mask per layer: the valid context keys (positions ``< ctx_lens``)
+        and the whole block, non-causal. Sliding-window layers also hide keys ``window`` or more positions
+        behind the query."""
+        B, Q = block_positions.shape
+        key_pos = torch.arange(num_ctx, device=block_positions.device)
+        masks = {}
+        for kind in sorted(set(self.dflash_config.layer_types)):
+            window = self.dflash_config.sliding_window if kind == "sliding_attention" else None
+            ctx = context_visibility(block_positions, ctx_lens, key_pos, False, window).expand(B, Q, num_ctx)
+            block = torch.ones(B, Q, Q, dtype=torch.bool, device=block_positions.device)
+            if window:
+                block = block & (block_positions[:, :, None] - block_positions[:, None, :] < window)
+            masks[kind] = torch.cat([ctx, block], dim=-1)[:, None]
         return [masks[t] for t in self.dflash_config.layer_types]
 
     def forward(
@@ -236,18 +236,17 @@ class DFlashDraftModel(nn.Module):
         block_positions: torch.Tensor,
         ctx_k: torch.Tensor,
         ctx_v: torch.Tensor,
-        ctx_positions: torch.Tensor,
-        ctx_valid: torch.Tensor,
+        ctx_lens: torch.Tensor,
     ) -> torch.Tensor:
         """Logits of the draft tokens.
 
         ``block_ids [B, Q]`` (bonus then masks) at ``block_positions [B, Q]``; ``ctx_k``/``ctx_v``
-        ``[L, B, S, Hkv, D]`` from ``context_kv`` at ``ctx_positions [B, S]``, ``ctx_valid [B, S]`` bool.
-        Returns ``[B, Q - 1, V]``: the logits for block positions ``1..Q-1``.
+        ``[L, B, S, Hkv, D]`` from ``context_kv``, the context key of position ``p`` at index ``p``, valid for
+        ``p < ctx_lens[b]``. Returns ``[B, Q - 1, V]``: the logits for block positions ``1..Q-1``.
         """
         h = self.embed_tokens(block_ids)
         cos, sin = self.rotary_emb(h, block_positions)
-        masks = self.attention_mask(ctx_positions, ctx_valid, block_positions)
+        masks = self.attention_mask(ctx_lens, ctx_k.shape[2], block_positions)
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, ctx_k[i], ctx_v[i], masks[i])
         return self.lm_head(self.norm(h[:, 1:]))

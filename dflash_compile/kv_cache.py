@@ -55,6 +55,21 @@ def read_slots(block_table, kv_lens, block_size):
     return torch.where(key_pos[None, :] < kv_lens[:, None], slots, ZERO_SLOT), key_pos
 
 
+def context_visibility(q_positions, ctx_lens, key_pos, causal: bool, window: int | None):
+    """Which context keys each query sees: ``[B, T, S]`` (``[B, 1, S]`` when neither causal nor windowed).
+
+    Key ``p`` (``key_pos [S]``) is visible to the query at ``P = q_positions[b, i]`` iff ``p < ctx_lens[b]``,
+    and ``p <= P`` when ``causal``, and ``P - p < window`` when ``window``.
+    """
+    kp = key_pos[None, None, :]
+    visible = kp < ctx_lens[:, None, None]
+    if causal:
+        visible = visible & (kp <= q_positions[:, :, None])
+    if window:
+        visible = visible & (q_positions[:, :, None] - kp < window)
+    return visible
+
+
 class PagedKVCache:
     """Host-side owner of the two pools and of the KV blocks of each request."""
 
@@ -137,8 +152,7 @@ class PagedTargetLayer(CacheLayerMixin):
         if self.pool.shape[-2:] != (H, D):
             raise ValueError(f"target K/V are [{H}, {D}] per token, the pool holds {tuple(self.pool.shape[-2:])}")
         self.pool[:, self.write] = torch.stack([key_states, value_states]).transpose(2, 3).reshape(2, B * T, H, D)
-        k, v = self.pool[:, self.read].transpose(2, 3).unbind(0)  # [B, Hkv, S, D] each
-        return k, v
+        return self.pool[0][self.read].transpose(1, 2), self.pool[1][self.read].transpose(1, 2)  # [B, Hkv, S, D]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.read.shape[1], 0

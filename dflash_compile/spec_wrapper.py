@@ -17,7 +17,7 @@ from torch import nn
 from .draft_model import DFlashDraftModel
 from .generation import DFlashGenerateOutput, DFlashStats, GenerationArgs, resolve_generation_args
 from .hidden_states import AuxHiddenStates, decoder_layers
-from .kv_cache import PagedKVCache, paged_target_cache, read_slots, write_slots
+from .kv_cache import PagedKVCache, context_visibility, paged_target_cache, read_slots, write_slots
 from .rejection import greedy_accept
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16)
@@ -138,6 +138,7 @@ class DFlashSpecWrapper(nn.Module):
         return self.draft.block_size
 
     # ------------------------------------------------------------------ the step
+    @torch.no_grad()
     def forward(self, block, seq_lens, block_tables, active, target_pool, draft_pool):
         """One speculative step for a batch bucket of ``Bk`` rows.
 
@@ -167,21 +168,16 @@ class DFlashSpecWrapper(nn.Module):
         next_block = self._propose(bonus, seq_lens + num_accepted + 1, block_tables, active, draft_pool)
         return tokens, num_accepted, next_block
 
-    def _target_mask(self, positions, kv_lens, key_pos, active):
-        # [Bk, 1, T, S] boolean: causal over the row's own written positions. Padded rows see only key 0 (the
-        # zero slot) so attention stays finite.
-        visible = (key_pos[None, None, :] <= positions[:, :, None]) & (key_pos[None, None, :] < kv_lens[:, None, None])
-        dead = (~active)[:, None, None] & (key_pos == 0)[None, None, :]
-        masks = {"full_attention": visible}
+    def _target_mask(self, positions, kv_lens, key_pos):
+        """``[Bk, 1, T, S]`` causal visibility over each row's written positions (a dict per layer type for
+        targets with sliding-window layers). Bucket-padding rows see nothing; their outputs are ignored."""
+        masks = {"full_attention": context_visibility(positions, kv_lens, key_pos, True, None)[:, None]}
         if self._mask_kinds is not None and "sliding_attention" in self._mask_kinds:
-            masks["sliding_attention"] = visible & (positions[:, :, None] - key_pos[None, None, :] < self._window)
-        for kind, m in masks.items():
-            m = (m | dead)[:, None]
-            if self._eager_mask:  # eager attention adds the mask
-                m = torch.zeros(m.shape, dtype=self.draft.fc.weight.dtype, device=m.device).masked_fill(
-                    ~m, torch.finfo(self.draft.fc.weight.dtype).min
-                )
-            masks[kind] = m
+            masks["sliding_attention"] = context_visibility(positions, kv_lens, key_pos, True, self._window)[:, None]
+        if self._eager_mask:  # eager attention adds its mask
+            dtype = self.draft.fc.weight.dtype
+            masks = {k: torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill(~m, torch.finfo(dtype).min)
+                     for k, m in masks.items()}
         if self._mask_kinds is None:
             return masks["full_attention"]
         return {kind: masks[kind] for kind in self._mask_kinds}
@@ -189,8 +185,9 @@ class DFlashSpecWrapper(nn.Module):
     def _target_forward(self, ids, positions, write_ok, kv_lens, block_tables, active, target_pool, last_only=False):
         """Target over ``ids [Bk, T]`` at ``positions``; K/V land in the paged pool. -> (logits, aux hidden)."""
         write = write_slots(block_tables, positions, write_ok, self.page_size)
-        read, key_pos = read_slots(block_tables, torch.where(active, kv_lens, 0), self.page_size)
-        mask = self._target_mask(positions, kv_lens, key_pos, active)
+        kv_lens = torch.where(active, kv_lens, 0)
+        read, key_pos = read_slots(block_tables, kv_lens, self.page_size)
+        mask = self._target_mask(positions, kv_lens, key_pos)
         extra = {"logits_to_keep": 1} if last_only and self._logits_to_keep else {}
         out = self.target(
             input_ids=ids,
@@ -215,10 +212,9 @@ class DFlashSpecWrapper(nn.Module):
         block = torch.cat([bonus, bonus.new_full((Bk, B - 1), self.draft.mask_token_id)], dim=1)
         positions = ctx_lens[:, None] + torch.arange(B, device=bonus.device)
         ctx_lens = torch.where(active, ctx_lens, 0)
-        read, key_pos = read_slots(block_tables, ctx_lens, self.page_size)
+        read, _ = read_slots(block_tables, ctx_lens, self.page_size)
         kv = draft_pool[:, :, read]  # [Ld, 2, Bk, S, Hkv, D]
-        valid = key_pos[None, :] < ctx_lens[:, None]
-        logits = self.draft(block, positions, kv[:, 0], kv[:, 1], key_pos.expand(Bk, -1), valid)
+        logits = self.draft(block, positions, kv[:, 0], kv[:, 1], ctx_lens)
         return torch.cat([bonus, logits.argmax(-1)], dim=1)
 
     # ------------------------------------------------------------------ prefill
@@ -334,10 +330,10 @@ class DFlashSpecWrapper(nn.Module):
             seq_lens = torch.tensor([r.seq_len for r in running] + [0] * pad_rows, device=device)
             active = torch.arange(bucket, device=device) < len(running)
             tables = cache.block_table([r.index for r in running] + [None] * pad_rows)
-            step_inputs = (block, seq_lens, tables, active)
+            step_inputs = (block, seq_lens, tables, active, cache.target_pool, cache.draft_pool)
             for t in step_inputs:
                 torch._dynamo.mark_static(t)  # one graph per bucket, never an automatic-dynamic one
-            tokens, num_accepted, next_block = self(*step_inputs, cache.target_pool, cache.draft_pool)
+            tokens, num_accepted, next_block = self(*step_inputs)
             tokens, num_accepted = tokens.tolist(), num_accepted.tolist()  # the step's one host read
             still = []
             for i, r in enumerate(running):

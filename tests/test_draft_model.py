@@ -83,7 +83,7 @@ def test_draft_forward_matches_fp64_transcription(family, num_kv):
     aux.remove()
     ctx_pos = torch.arange(11)[None]
     k, v = draft.context_kv(draft.context_features(feats), ctx_pos)
-    got = draft(block, block_pos[None], k, v, ctx_pos, torch.ones(1, 11, dtype=torch.bool))[0]
+    got = draft(block, block_pos[None], k, v, torch.tensor([11]))[0]
     ref = reference_draft_logits(target, draft, prompt, block, block_pos)
     assert got.dtype == torch.float64 and got.shape == (4, VOCAB)
     assert (got - ref).abs().max().item() <= 1e-9

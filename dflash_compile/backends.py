@@ -1,0 +1,110 @@
+"""The dynamo backends ``dflash`` and ``dflash_neuron``.
+
+Both retrace the captured graph to pre-dispatch ATen, run the DFlash passes (which swap the step's hot
+patterns for ``torch.ops.dflash.*``) and hand the result on:
+
+- ``dflash``: to Inductor. The custom ops run their Triton kernels on CUDA and the reference torch
+  implementation elsewhere; everything else is Inductor's.
+- ``dflash_neuron``: to the Neuron SDK's own dynamo backend with the NKI kernels registered, when the SDK is
+  importable. Without it: the same as ``dflash`` (passes, reference lowerings, Inductor), said once in the log.
+
+Registered through the ``torch_dynamo_backends`` entry-point group, so ``torch.compile(fn, backend="dflash")``
+works without importing this package first. Graphs with dynamic shapes skip the passes (the DFlash step is
+static by design) and go to the underlying compiler unchanged; that, too, is logged.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+
+import torch
+from torch._inductor import config as inductor_config
+from torch.fx.experimental.proxy_tensor import make_fx
+
+log = logging.getLogger(__name__)
+
+#: Inductor settings for the step (inference only: parameters are constants).
+INDUCTOR_OPTIONS = {"freezing": True}
+_said: set[str] = set()
+
+
+def _say_once(key: str, msg: str, *args) -> None:
+    if key not in _said:
+        _said.add(key)
+        log.warning(msg, *args)
+
+
+def _is_dynamic(gm: torch.fx.GraphModule, example_inputs) -> bool:
+    for x in example_inputs:
+        if isinstance(x, torch.SymInt):
+            return True
+        if isinstance(x, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in x.shape):
+            return True
+    for node in gm.graph.find_nodes(op="placeholder"):
+        ev = node.meta.get("example_value")
+        if isinstance(ev, torch.SymInt) or (
+            isinstance(ev, torch.Tensor) and any(not isinstance(d, int) for d in ev.shape)
+        ):
+            return True
+    return False
+
+
+def dflash_passes(gm: torch.fx.GraphModule, example_inputs) -> torch.fx.GraphModule | None:
+    """Pre-dispatch ATen of ``gm`` with the DFlash passes applied, or None for a dynamic-shape graph."""
+    from .passes import apply_passes
+
+    if _is_dynamic(gm, example_inputs):
+        _say_once("dynamic", "dflash: graph has dynamic shapes; DFlash passes skipped, compiling it unchanged")
+        return None
+    aten_gm = make_fx(gm, pre_dispatch=True, tracing_mode="fake")(*example_inputs)
+    counts = apply_passes(aten_gm)
+    log.info("dflash: replacements %s", counts)
+    return aten_gm
+
+
+def _inductor(gm, example_inputs, options):
+    from torch._inductor.compile_fx import compile_fx
+
+    with inductor_config.patch({**INDUCTOR_OPTIONS, **(options or {})}):
+        return compile_fx(gm, example_inputs)
+
+
+def _uses_cuda(example_inputs) -> bool:
+    return any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs)
+
+
+def dflash_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None):
+    """``torch.compile(..., backend="dflash")``: DFlash passes, then Inductor (Triton kernels on CUDA)."""
+    passed = dflash_passes(gm, example_inputs)
+    if passed is not None and _uses_cuda(example_inputs):
+        from .lowerings.triton import register_cuda_kernels
+
+        register_cuda_kernels()
+    return _inductor(passed if passed is not None else gm, example_inputs, options)
+
+
+def neuron_sdk_available() -> bool:
+    return importlib.util.find_spec("torch_neuronx") is not None and importlib.util.find_spec("nki") is not None
+
+
+def dflash_neuron_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None):
+    """``torch.compile(..., backend="dflash_neuron")``: DFlash passes, NKI kernels, the Neuron SDK's backend.
+
+    Without the SDK: DFlash passes, reference lowerings and Inductor, said once in the log.
+    """
+    passed = dflash_passes(gm, example_inputs)
+    graph = passed if passed is not None else gm
+    if neuron_sdk_available():
+        import torch_neuronx  # noqa: F401  (registers the "neuron" dynamo backend)
+
+        from .lowerings.nki import register_neuron_kernels
+
+        register_neuron_kernels()
+        return torch._dynamo.lookup_backend("neuron")(graph, example_inputs)
+    _say_once(
+        "no-neuron",
+        "dflash_neuron: the Neuron SDK (torch_neuronx, nki) is not installed; compiling with the DFlash passes, "
+        "the reference lowerings and Inductor instead of NKI kernels and the Neuron backend",
+    )
+    return _inductor(graph, example_inputs, options)

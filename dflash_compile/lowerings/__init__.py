@@ -1,0 +1,1 @@
+"""Custom ops (``ops.py``: schema, reference, fake) and their device kernels (``triton/``, ``nki/``)."""

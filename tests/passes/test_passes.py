@@ -1,0 +1,345 @@
+"""Each pass on a small pre-dispatch graph: the graph before and after, the counter, and equal values."""
+
+import expecttest
+import torch
+from torch._dynamo.utils import counters
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from dflash_compile import DFlashDraftModel
+from dflash_compile.kv_cache import context_visibility, read_slots, write_slots
+from dflash_compile.passes import build_passes, passes_uuid
+from dflash_compile.passes.block_attention import BlockAttentionPass
+from dflash_compile.passes.fused_kv import FusedKVProjPass
+from dflash_compile.passes.paged_scatter import PagedKVWritePass
+from tiny_models import tiny_target
+
+
+def _trace(fn, *args):
+    return make_fx(fn, pre_dispatch=True, tracing_mode="fake")(*args)
+
+
+def _with_state(module, fn):
+    """``fn`` with ``module``'s parameters and buffers as leading inputs (as dynamo lifts them)."""
+    names = [n for n, _ in module.named_parameters()] + [n for n, _ in module.named_buffers()]
+    state = [t.detach() for _, t in module.named_parameters()] + [b for _, b in module.named_buffers()]
+
+    def call(*args):
+        with torch.nn.utils.stateless._reparametrize_module(module, dict(zip(names, args[: len(names)]))):
+            return fn(*args[len(names):])
+
+    return call, state
+
+
+def _run_pass(pass_, gm):
+    counters.clear()
+    n = pass_(gm.graph)
+    gm.recompile()
+    return n, dict(counters["dflash"])
+
+
+class TestPasses(expecttest.TestCase):
+    def test_fused_kv_proj(self):
+        target = tiny_target("qwen3", hidden_size=16, num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+        draft = DFlashDraftModel.from_target(target, num_layers=2, target_layer_ids=[1, 3], seed=0)
+        ctx, pos = torch.randn(2, 3, 16), torch.arange(3).expand(2, 3) + 5
+
+        context_kv, state = _with_state(draft, draft.context_kv)
+        gm = _trace(context_kv, *state, ctx, pos)
+        self.assertExpectedInline(str(gm.graph), """\
+graph():
+    %arg0_1 : [num_users=0] = placeholder[target=arg0_1]
+    %arg1_1 : [num_users=1] = placeholder[target=arg1_1]
+    %arg2_1 : [num_users=1] = placeholder[target=arg2_1]
+    %arg3_1 : [num_users=0] = placeholder[target=arg3_1]
+    %arg4_1 : [num_users=0] = placeholder[target=arg4_1]
+    %arg5_1 : [num_users=1] = placeholder[target=arg5_1]
+    %arg6_1 : [num_users=0] = placeholder[target=arg6_1]
+    %arg7_1 : [num_users=0] = placeholder[target=arg7_1]
+    %arg8_1 : [num_users=0] = placeholder[target=arg8_1]
+    %arg9_1 : [num_users=0] = placeholder[target=arg9_1]
+    %arg10_1 : [num_users=0] = placeholder[target=arg10_1]
+    %arg11_1 : [num_users=0] = placeholder[target=arg11_1]
+    %arg12_1 : [num_users=1] = placeholder[target=arg12_1]
+    %arg13_1 : [num_users=1] = placeholder[target=arg13_1]
+    %arg14_1 : [num_users=0] = placeholder[target=arg14_1]
+    %arg15_1 : [num_users=0] = placeholder[target=arg15_1]
+    %arg16_1 : [num_users=1] = placeholder[target=arg16_1]
+    %arg17_1 : [num_users=0] = placeholder[target=arg17_1]
+    %arg18_1 : [num_users=0] = placeholder[target=arg18_1]
+    %arg19_1 : [num_users=0] = placeholder[target=arg19_1]
+    %arg20_1 : [num_users=0] = placeholder[target=arg20_1]
+    %arg21_1 : [num_users=0] = placeholder[target=arg21_1]
+    %arg22_1 : [num_users=0] = placeholder[target=arg22_1]
+    %arg23_1 : [num_users=0] = placeholder[target=arg23_1]
+    %arg24_1 : [num_users=0] = placeholder[target=arg24_1]
+    %arg25_1 : [num_users=1] = placeholder[target=arg25_1]
+    %arg26_1 : [num_users=1] = placeholder[target=arg26_1]
+    %arg27_1 : [num_users=1] = placeholder[target=arg27_1]
+    %cat : [num_users=1] = call_function[target=torch.ops.aten.cat.default](args = ([%arg1_1, %arg12_1, %arg2_1, %arg13_1],), kwargs = {})
+    %linear : [num_users=1] = call_function[target=torch.ops.aten.linear.default](args = (%arg26_1, %cat), kwargs = {})
+    %view : [num_users=1] = call_function[target=torch.ops.aten.view.default](args = (%linear, [2, 3, 2, 2, 1, 8]), kwargs = {})
+    %permute : [num_users=2] = call_function[target=torch.ops.aten.permute.default](args = (%view, [2, 3, 0, 1, 4, 5]), kwargs = {})
+    %stack : [num_users=1] = call_function[target=torch.ops.aten.stack.default](args = ([%arg5_1, %arg16_1],), kwargs = {})
+    %select : [num_users=2] = call_function[target=torch.ops.aten.select.int](args = (%permute, 0, 0), kwargs = {})
+    %view_1 : [num_users=1] = call_function[target=torch.ops.aten.view.default](args = (%stack, [2, 1, 1, 1, 8]), kwargs = {})
+    %pow_1 : [num_users=1] = call_function[target=torch.ops.aten.pow.Tensor_Scalar](args = (%select, 2), kwargs = {})
+    %mean : [num_users=1] = call_function[target=torch.ops.aten.mean.dim](args = (%pow_1, [-1], True), kwargs = {})
+    %add : [num_users=1] = call_function[target=torch.ops.aten.add.Tensor](args = (%mean, 1e-06), kwargs = {})
+    %rsqrt : [num_users=1] = call_function[target=torch.ops.aten.rsqrt.default](args = (%add,), kwargs = {})
+    %mul : [num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%select, %rsqrt), kwargs = {})
+    %to : [num_users=1] = call_function[target=torch.ops.aten.to.dtype](args = (%mul, torch.float32), kwargs = {})
+    %mul_1 : [num_users=3] = call_function[target=torch.ops.aten.mul.Tensor](args = (%view_1, %to), kwargs = {})
+    %unsqueeze : [num_users=1] = call_function[target=torch.ops.aten.unsqueeze.default](args = (%arg27_1, 2), kwargs = {})
+    %to_1 : [num_users=1] = call_function[target=torch.ops.aten.to.dtype](args = (%unsqueeze, torch.float32), kwargs = {})
+    %mul_2 : [num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%to_1, %arg25_1), kwargs = {})
+    %cat_1 : [num_users=2] = call_function[target=torch.ops.aten.cat.default](args = ([%mul_2, %mul_2], -1), kwargs = {})
+    %cos : [num_users=1] = call_function[target=torch.ops.aten.cos.default](args = (%cat_1,), kwargs = {})
+    %mul_3 : [num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%cos, 1.0), kwargs = {})
+    %to_2 : [num_users=1] = call_function[target=torch.ops.aten.to.dtype](args = (%mul_3, torch.float32), kwargs = {})
+    %sin : [num_users=1] = call_function[target=torch.ops.aten.sin.default](args = (%cat_1,), kwargs = {})
+    %mul_4 : [num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%sin, 1.0), kwargs = {})
+    %to_3 : [num_users=1] = call_function[target=torch.ops.aten.to.dtype](args = (%mul_4, torch.float32), kwargs = {})
+    %unsqueeze_1 : [num_users=1] = call_function[target=torch.ops.aten.unsqueeze.default](args = (%to_2, -2), kwargs = {})
+    %unsqueeze_2 : [num_users=1] = call_function[target=torch.ops.aten.unsqueeze.default](args = (%to_3, -2), kwargs = {})
+    %slice_1 : [num_users=1] = call_function[target=torch.ops.aten.slice.Tensor](args = (%mul_1, 4, 4, 9223372036854775807), kwargs = {})
+    %neg : [num_users=1] = call_function[target=torch.ops.aten.neg.default](args = (%slice_1,), kwargs = {})
+    %slice_2 : [num_users=1] = call_function[target=torch.ops.aten.slice.Tensor](args = (%mul_1, 4, 0, 4), kwargs = {})
+    %cat_2 : [num_users=1] = call_function[target=torch.ops.aten.cat.default](args = ([%neg, %slice_2], -1), kwargs = {})
+    %mul_5 : [num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%mul_1, %unsqueeze_1), kwargs = {})
+    %mul_6 : [num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%cat_2, %unsqueeze_2), kwargs = {})
+    %add_1 : [num_users=1] = call_function[target=torch.ops.aten.add.Tensor](args = (%mul_5, %mul_6), kwargs = {})
+    %select_1 : [num_users=1] = call_function[target=torch.ops.aten.select.int](args = (%permute, 0, 1), kwargs = {})
+    return (add_1, select_1)""")
+        n, count = _run_pass(FusedKVProjPass(), gm)
+        self.assertEqual((n, count), (1, {"fused_kv_proj": 1}))
+        self.assertExpectedInline(str(gm.graph), """\
+graph():
+    %arg0_1 : [num_users=0] = placeholder[target=arg0_1]
+    %arg1_1 : [num_users=1] = placeholder[target=arg1_1]
+    %arg2_1 : [num_users=1] = placeholder[target=arg2_1]
+    %arg3_1 : [num_users=0] = placeholder[target=arg3_1]
+    %arg4_1 : [num_users=0] = placeholder[target=arg4_1]
+    %arg5_1 : [num_users=1] = placeholder[target=arg5_1]
+    %arg6_1 : [num_users=0] = placeholder[target=arg6_1]
+    %arg7_1 : [num_users=0] = placeholder[target=arg7_1]
+    %arg8_1 : [num_users=0] = placeholder[target=arg8_1]
+    %arg9_1 : [num_users=0] = placeholder[target=arg9_1]
+    %arg10_1 : [num_users=0] = placeholder[target=arg10_1]
+    %arg11_1 : [num_users=0] = placeholder[target=arg11_1]
+    %arg12_1 : [num_users=1] = placeholder[target=arg12_1]
+    %arg13_1 : [num_users=1] = placeholder[target=arg13_1]
+    %arg14_1 : [num_users=0] = placeholder[target=arg14_1]
+    %arg15_1 : [num_users=0] = placeholder[target=arg15_1]
+    %arg16_1 : [num_users=1] = placeholder[target=arg16_1]
+    %arg17_1 : [num_users=0] = placeholder[target=arg17_1]
+    %arg18_1 : [num_users=0] = placeholder[target=arg18_1]
+    %arg19_1 : [num_users=0] = placeholder[target=arg19_1]
+    %arg20_1 : [num_users=0] = placeholder[target=arg20_1]
+    %arg21_1 : [num_users=0] = placeholder[target=arg21_1]
+    %arg22_1 : [num_users=0] = placeholder[target=arg22_1]
+    %arg23_1 : [num_users=0] = placeholder[target=arg23_1]
+    %arg24_1 : [num_users=0] = placeholder[target=arg24_1]
+    %arg25_1 : [num_users=1] = placeholder[target=arg25_1]
+    %arg26_1 : [num_users=2] = placeholder[target=arg26_1]
+    %arg27_1 : [num_users=1] = placeholder[target=arg27_1]
+    %cat : [num_users=2] = call_function[target=torch.ops.aten.cat.default](args = ([%arg1_1, %arg12_1, %arg2_1, %arg13_1],), kwargs = {})
+    %linear : [num_users=1] = call_function[target=torch.ops.aten.linear.default](args = (%arg26_1, %cat), kwargs = {})
+    %view : [num_users=1] = call_function[target=torch.ops.aten.view.default](args = (%linear, [2, 3, 2, 2, 1, 8]), kwargs = {})
+    %permute : [num_users=1] = call_function[target=torch.ops.aten.permute.default](args = (%view, [2, 3, 0, 1, 4, 5]), kwargs = {})
+    %stack : [num_users=1] = call_function[target=torch.ops.aten.stack.default](args = ([%arg5_1, %arg16_1],), kwargs = {})
+    %reshape_default : [num_users=1] = call_function[target=torch.ops.aten.reshape.default](args = (%arg26_1, [6, 16]), kwargs = {})
+    %unsqueeze : [num_users=1] = call_function[target=torch.ops.aten.unsqueeze.default](args = (%arg27_1, 2), kwargs = {})
+    %to_1 : [num_users=1] = call_function[target=torch.ops.aten.to.dtype](args = (%unsqueeze, torch.float32), kwargs = {})
+    %mul_2 : [num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%to_1, %arg25_1), kwargs = {})
+    %cat_1 : [num_users=2] = call_function[target=torch.ops.aten.cat.default](args = ([%mul_2, %mul_2], -1), kwargs = {})
+    %cos : [num_users=1] = call_function[target=torch.ops.aten.cos.default](args = (%cat_1,), kwargs = {})
+    %mul_3 : [num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%cos, 1.0), kwargs = {})
+    %to_2 : [num_users=1] = call_function[target=torch.ops.aten.to.dtype](args = (%mul_3, torch.float32), kwargs = {})
+    %reshape_default_1 : [num_users=1] = call_function[target=torch.ops.aten.reshape.default](args = (%to_2, [6, 8]), kwargs = {})
+    %sin : [num_users=1] = call_function[target=torch.ops.aten.sin.default](args = (%cat_1,), kwargs = {})
+    %mul_4 : [num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%sin, 1.0), kwargs = {})
+    %to_3 : [num_users=1] = call_function[target=torch.ops.aten.to.dtype](args = (%mul_4, torch.float32), kwargs = {})
+    %reshape_default_2 : [num_users=1] = call_function[target=torch.ops.aten.reshape.default](args = (%to_3, [6, 8]), kwargs = {})
+    %fused_kv_proj_default : [num_users=1] = call_function[target=torch.ops.dflash.fused_kv_proj.default](args = (%reshape_default, %cat, %stack, %reshape_default_1, %reshape_default_2, 1e-06), kwargs = {})
+    %getitem : [num_users=1] = call_function[target=operator.getitem](args = (%fused_kv_proj_default, 0), kwargs = {})
+    %view_default : [num_users=1] = call_function[target=torch.ops.aten.view.default](args = (%getitem, [2, 2, 3, -1, 8]), kwargs = {})
+    %select_1 : [num_users=1] = call_function[target=torch.ops.aten.select.int](args = (%permute, 0, 1), kwargs = {})
+    return (view_default, select_1)""")
+        for a, b in zip(gm(*state, ctx, pos), draft.context_kv(ctx, pos)):
+            torch.testing.assert_close(a, b)
+
+    def test_paged_kv_write(self):
+        def write(pool, table, positions, valid, values):
+            slots = write_slots(table, positions, valid, 4).flatten()
+            pool[:, :, slots] = values
+            return pool[:, :, slots[:2]]
+
+        pool = torch.zeros(2, 2, 4 * 4 + 2, 1, 8)
+        args = (torch.tensor([[2, 0], [3, 1]]), torch.tensor([[1, 2, 3], [5, 6, 7]]),
+                torch.tensor([[True, True, False], [True, True, True]]), torch.randn(2, 2, 6, 1, 8))
+        gm = _trace(write, pool.clone(), *args)
+        self.assertExpectedInline(str(gm.graph), """\
+graph():
+    %pool_1 : [num_users=1] = placeholder[target=pool_1]
+    %table_1 : [num_users=1] = placeholder[target=table_1]
+    %positions_1 : [num_users=1] = placeholder[target=positions_1]
+    %valid_1 : [num_users=1] = placeholder[target=valid_1]
+    %values_1 : [num_users=1] = placeholder[target=values_1]
+    %clamp : [num_users=2] = call_function[target=torch.ops.aten.clamp.default](args = (%positions_1, 0, 7), kwargs = {})
+    %floor_divide : [num_users=1] = call_function[target=torch.ops.aten.floor_divide.default](args = (%clamp, 4), kwargs = {})
+    %gather : [num_users=1] = call_function[target=torch.ops.aten.gather.default](args = (%table_1, 1, %floor_divide), kwargs = {})
+    %mul : [num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%gather, 4), kwargs = {})
+    %remainder : [num_users=1] = call_function[target=torch.ops.aten.remainder.Scalar](args = (%clamp, 4), kwargs = {})
+    %add : [num_users=1] = call_function[target=torch.ops.aten.add.Tensor](args = (%mul, %remainder), kwargs = {})
+    %where : [num_users=1] = call_function[target=torch.ops.aten.where.ScalarOther](args = (%valid_1, %add, -1), kwargs = {})
+    %flatten : [num_users=2] = call_function[target=torch.ops.aten.flatten.using_ints](args = (%where,), kwargs = {})
+    %index_put_ : [num_users=1] = call_function[target=torch.ops.aten.index_put_.default](args = (%pool_1, [None, None, %flatten], %values_1), kwargs = {})
+    %slice_1 : [num_users=1] = call_function[target=torch.ops.aten.slice.Tensor](args = (%flatten, 0, 0, 2), kwargs = {})
+    %index : [num_users=1] = call_function[target=torch.ops.aten.index.Tensor](args = (%index_put_, [None, None, %slice_1]), kwargs = {})
+    return index""")
+        n, count = _run_pass(PagedKVWritePass(), gm)
+        self.assertEqual((n, count), (1, {"paged_kv_write": 1}))
+        self.assertExpectedInline(str(gm.graph), """\
+graph():
+    %pool_1 : [num_users=2] = placeholder[target=pool_1]
+    %table_1 : [num_users=1] = placeholder[target=table_1]
+    %positions_1 : [num_users=1] = placeholder[target=positions_1]
+    %valid_1 : [num_users=1] = placeholder[target=valid_1]
+    %values_1 : [num_users=1] = placeholder[target=values_1]
+    %clamp : [num_users=2] = call_function[target=torch.ops.aten.clamp.default](args = (%positions_1, 0, 7), kwargs = {})
+    %floor_divide : [num_users=1] = call_function[target=torch.ops.aten.floor_divide.default](args = (%clamp, 4), kwargs = {})
+    %gather : [num_users=1] = call_function[target=torch.ops.aten.gather.default](args = (%table_1, 1, %floor_divide), kwargs = {})
+    %mul : [num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%gather, 4), kwargs = {})
+    %remainder : [num_users=1] = call_function[target=torch.ops.aten.remainder.Scalar](args = (%clamp, 4), kwargs = {})
+    %add : [num_users=1] = call_function[target=torch.ops.aten.add.Tensor](args = (%mul, %remainder), kwargs = {})
+    %where : [num_users=1] = call_function[target=torch.ops.aten.where.ScalarOther](args = (%valid_1, %add, -1), kwargs = {})
+    %flatten : [num_users=2] = call_function[target=torch.ops.aten.flatten.using_ints](args = (%where,), kwargs = {})
+    %expand_default : [num_users=1] = call_function[target=torch.ops.aten.expand.default](args = (%values_1, [2, 2, 6, 1, 8]), kwargs = {})
+    %remainder_scalar : [num_users=1] = call_function[target=torch.ops.aten.remainder.Scalar](args = (%flatten, 18), kwargs = {})
+    %paged_kv_write_default : [num_users=0] = call_function[target=torch.ops.dflash.paged_kv_write.default](args = (%pool_1, %remainder_scalar, %expand_default), kwargs = {})
+    %slice_1 : [num_users=1] = call_function[target=torch.ops.aten.slice.Tensor](args = (%flatten, 0, 0, 2), kwargs = {})
+    %index : [num_users=1] = call_function[target=torch.ops.aten.index.Tensor](args = (%pool_1, [None, None, %slice_1]), kwargs = {})
+    return index""")
+        p1, p2 = pool.clone(), pool.clone()
+        torch.testing.assert_close(gm(p1, *args), write(p2, *args))
+        torch.testing.assert_close(p1, p2)
+
+    def test_block_attention_target_form(self):
+        # The target's verify: gather through the block table, causal + window mask, GQA repeat (HF repeat_kv).
+        def verify(q, pool, table, kv_lens, positions):
+            read, key_pos = read_slots(table, kv_lens, 4)
+            k, v = pool[0][read].transpose(1, 2), pool[1][read].transpose(1, 2)
+            k = k[:, :, None].expand(2, 1, 2, 8, 8).reshape(2, 2, 8, 8)
+            v = v[:, :, None].expand(2, 1, 2, 8, 8).reshape(2, 2, 8, 8)
+            mask = context_visibility(positions, kv_lens, key_pos, True, 3)[:, None]
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.5)
+
+        args = (torch.randn(2, 2, 2, 8), torch.randn(2, 4 * 4 + 2, 1, 8), torch.tensor([[2, 0], [3, 1]]),
+                torch.tensor([6, 3]), torch.tensor([[4, 5], [1, 2]]))
+        gm = _trace(verify, *args)
+        self.assertExpectedInline(str(gm.graph), """\
+graph():
+    %q_1 : [num_users=1] = placeholder[target=q_1]
+    %pool_1 : [num_users=2] = placeholder[target=pool_1]
+    %table_1 : [num_users=1] = placeholder[target=table_1]
+    %kv_lens_1 : [num_users=2] = placeholder[target=kv_lens_1]
+    %positions_1 : [num_users=2] = placeholder[target=positions_1]
+    %arange : [num_users=3] = call_function[target=torch.ops.aten.arange.default](args = (8,), kwargs = {device: cpu, pin_memory: False})
+    %expand : [num_users=2] = call_function[target=torch.ops.aten.expand.default](args = (%arange, [2, 8]), kwargs = {})
+    %floor_divide : [num_users=1] = call_function[target=torch.ops.aten.floor_divide.default](args = (%expand, 4), kwargs = {})
+    %gather : [num_users=1] = call_function[target=torch.ops.aten.gather.default](args = (%table_1, 1, %floor_divide), kwargs = {})
+    %mul : [num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%gather, 4), kwargs = {})
+    %remainder : [num_users=1] = call_function[target=torch.ops.aten.remainder.Scalar](args = (%expand, 4), kwargs = {})
+    %add : [num_users=1] = call_function[target=torch.ops.aten.add.Tensor](args = (%mul, %remainder), kwargs = {})
+    %unsqueeze : [num_users=1] = call_function[target=torch.ops.aten.unsqueeze.default](args = (%arange, 0), kwargs = {})
+    %unsqueeze_1 : [num_users=1] = call_function[target=torch.ops.aten.unsqueeze.default](args = (%kv_lens_1, 1), kwargs = {})
+    %lt : [num_users=1] = call_function[target=torch.ops.aten.lt.Tensor](args = (%unsqueeze, %unsqueeze_1), kwargs = {})
+    %where : [num_users=2] = call_function[target=torch.ops.aten.where.ScalarOther](args = (%lt, %add, -2), kwargs = {})
+    %select : [num_users=1] = call_function[target=torch.ops.aten.select.int](args = (%pool_1, 0, 0), kwargs = {})
+    %index : [num_users=1] = call_function[target=torch.ops.aten.index.Tensor](args = (%select, [%where]), kwargs = {})
+    %transpose : [num_users=1] = call_function[target=torch.ops.aten.transpose.int](args = (%index, 1, 2), kwargs = {})
+    %select_1 : [num_users=1] = call_function[target=torch.ops.aten.select.int](args = (%pool_1, 0, 1), kwargs = {})
+    %index_1 : [num_users=1] = call_function[target=torch.ops.aten.index.Tensor](args = (%select_1, [%where]), kwargs = {})
+    %transpose_1 : [num_users=1] = call_function[target=torch.ops.aten.transpose.int](args = (%index_1, 1, 2), kwargs = {})
+    %unsqueeze_2 : [num_users=1] = call_function[target=torch.ops.aten.unsqueeze.default](args = (%transpose, 2), kwargs = {})
+    %expand_1 : [num_users=1] = call_function[target=torch.ops.aten.expand.default](args = (%unsqueeze_2, [2, 1, 2, 8, 8]), kwargs = {})
+    %reshape : [num_users=1] = call_function[target=torch.ops.aten.reshape.default](args = (%expand_1, [2, 2, 8, 8]), kwargs = {})
+    %unsqueeze_3 : [num_users=1] = call_function[target=torch.ops.aten.unsqueeze.default](args = (%transpose_1, 2), kwargs = {})
+    %expand_2 : [num_users=1] = call_function[target=torch.ops.aten.expand.default](args = (%unsqueeze_3, [2, 1, 2, 8, 8]), kwargs = {})
+    %reshape_1 : [num_users=1] = call_function[target=torch.ops.aten.reshape.default](args = (%expand_2, [2, 2, 8, 8]), kwargs = {})
+    %unsqueeze_4 : [num_users=1] = call_function[target=torch.ops.aten.unsqueeze.default](args = (%arange, 0), kwargs = {})
+    %unsqueeze_5 : [num_users=3] = call_function[target=torch.ops.aten.unsqueeze.default](args = (%unsqueeze_4, 1), kwargs = {})
+    %unsqueeze_6 : [num_users=1] = call_function[target=torch.ops.aten.unsqueeze.default](args = (%kv_lens_1, 1), kwargs = {})
+    %unsqueeze_7 : [num_users=1] = call_function[target=torch.ops.aten.unsqueeze.default](args = (%unsqueeze_6, 2), kwargs = {})
+    %lt_1 : [num_users=1] = call_function[target=torch.ops.aten.lt.Tensor](args = (%unsqueeze_5, %unsqueeze_7), kwargs = {})
+    %unsqueeze_8 : [num_users=1] = call_function[target=torch.ops.aten.unsqueeze.default](args = (%positions_1, 2), kwargs = {})
+    %le : [num_users=1] = call_function[target=torch.ops.aten.le.Tensor](args = (%unsqueeze_5, %unsqueeze_8), kwargs = {})
+    %and_1 : [num_users=1] = call_function[target=torch.ops.aten.__and__.Tensor](args = (%lt_1, %le), kwargs = {})
+    %unsqueeze_9 : [num_users=1] = call_function[target=torch.ops.aten.unsqueeze.default](args = (%positions_1, 2), kwargs = {})
+    %sub : [num_users=1] = call_function[target=torch.ops.aten.sub.Tensor](args = (%unsqueeze_9, %unsqueeze_5), kwargs = {})
+    %lt_2 : [num_users=1] = call_function[target=torch.ops.aten.lt.Scalar](args = (%sub, 3), kwargs = {})
+    %and_2 : [num_users=1] = call_function[target=torch.ops.aten.__and__.Tensor](args = (%and_1, %lt_2), kwargs = {})
+    %unsqueeze_10 : [num_users=1] = call_function[target=torch.ops.aten.unsqueeze.default](args = (%and_2, 1), kwargs = {})
+    %scaled_dot_product_attention : [num_users=1] = call_function[target=torch.ops.aten.scaled_dot_product_attention.default](args = (%q_1, %reshape, %reshape_1, %unsqueeze_10), kwargs = {scale: 0.5})
+    return scaled_dot_product_attention""")
+        n, count = _run_pass(BlockAttentionPass(), gm)
+        self.assertEqual((n, count), (1, {"block_attention": 1}))
+        self.assertExpectedInline(str(gm.graph), """\
+graph():
+    %q_1 : [num_users=1] = placeholder[target=q_1]
+    %pool_1 : [num_users=2] = placeholder[target=pool_1]
+    %table_1 : [num_users=1] = placeholder[target=table_1]
+    %kv_lens_1 : [num_users=1] = placeholder[target=kv_lens_1]
+    %positions_1 : [num_users=1] = placeholder[target=positions_1]
+    %select : [num_users=1] = call_function[target=torch.ops.aten.select.int](args = (%pool_1, 0, 0), kwargs = {})
+    %select_1 : [num_users=1] = call_function[target=torch.ops.aten.select.int](args = (%pool_1, 0, 1), kwargs = {})
+    %block_attention_default : [num_users=1] = call_function[target=torch.ops.dflash.block_attention.default](args = (%q_1, %select, %select_1, %table_1, %kv_lens_1, %positions_1, None, None, 4, True, 3, 0.5), kwargs = {})
+    return block_attention_default""")
+        torch.testing.assert_close(gm(*args), verify(*args))
+
+    def test_block_attention_draft_form(self):
+        target = tiny_target("qwen3", hidden_size=16, num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+        draft = DFlashDraftModel.from_target(target, num_layers=1, block_size=3, target_layer_ids=[1, 3], seed=0)
+        attn = draft.layers[0].self_attn
+        h, pos = torch.randn(2, 3, 16), torch.tensor([[5, 6, 7], [2, 3, 4]])
+        pool, table, lens = torch.randn(1, 2, 4 * 2 + 2, 1, 8), torch.tensor([[1, 0], [0, 1]]), torch.tensor([5, 2])
+
+        def draft_attention(h, pos, pool, table, lens):
+            read, _ = read_slots(table, lens, 4)
+            kv = pool[:, :, read]
+            cos, sin = draft.rotary_emb(h, pos)
+            mask = draft.attention_mask(lens, read.shape[1], pos)[0]
+            return attn(h, cos, sin, kv[:, 0][0], kv[:, 1][0], mask)
+
+        traced, state = _with_state(draft, draft_attention)
+        args = (h, pos, pool, table, lens)
+        gm = _trace(traced, *state, *args)
+        n, count = _run_pass(BlockAttentionPass(), gm)
+        self.assertEqual((n, count), (1, {"block_attention": 1}))
+        self.assertNotIn("scaled_dot_product_attention", str(gm.graph))
+        torch.testing.assert_close(gm(*state, *args), draft_attention(*args))
+
+    def test_float_mask_is_left_alone(self):
+        def eager_mask(q, pool, table, kv_lens, positions):
+            read, key_pos = read_slots(table, kv_lens, 4)
+            k, v = pool[0][read].transpose(1, 2), pool[1][read].transpose(1, 2)
+            mask = context_visibility(positions, kv_lens, key_pos, True, None)[:, None]
+            bias = torch.zeros(mask.shape).masked_fill(~mask, -1e9)
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+
+        args = (torch.randn(2, 1, 2, 8), torch.randn(2, 18, 1, 8), torch.tensor([[2, 0], [3, 1]]),
+                torch.tensor([6, 3]), torch.tensor([[4, 5], [1, 2]]))
+        gm = _trace(eager_mask, *args)
+        self.assertEqual(_run_pass(BlockAttentionPass(), gm), (0, {}))
+
+    def test_uuid_tracks_the_source(self):
+        passes = build_passes()
+        assert len({p.uuid() for p in passes}) == 3
+        assert passes_uuid() == passes_uuid()
+        import inspect
+        from unittest import mock
+
+        before = passes[0].uuid()
+        real = inspect.getsource
+        with mock.patch.object(inspect, "getsource", lambda obj: real(obj) + "\n# changed\n"):
+            assert passes[0].uuid() != before
