@@ -57,8 +57,11 @@ def dflash_passes(gm: torch.fx.GraphModule, example_inputs) -> torch.fx.GraphMod
     if _is_dynamic(gm, example_inputs):
         _say_once("dynamic", "dflash: graph has dynamic shapes; DFlash passes skipped, compiling it unchanged")
         return None
-    aten_gm = make_fx(gm, pre_dispatch=True, tracing_mode="fake")(*example_inputs)
-    counts = apply_passes(aten_gm)
+    # Outside dynamo's tracing context: make_fx would otherwise fakify the inputs in dynamo's shape env with
+    # fresh, source-less symbols, and the passes' fake-mode checks would see two modes.
+    with torch._guards.tracing(None):
+        aten_gm = make_fx(gm, pre_dispatch=True, tracing_mode="fake")(*example_inputs)
+        counts = apply_passes(aten_gm)
     log.info("dflash: replacements %s", counts)
     return aten_gm
 

@@ -3,6 +3,13 @@ import sys
 import warnings
 
 sys.path.insert(0, os.path.dirname(__file__))
+# Without a GPU, Triton kernels run in its interpreter; that must be decided before anything imports triton.
+if not os.path.exists("/dev/nvidia0"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+# Compiled artefacts shared across tests (and runs) in the repo's ignored build dir.
+os.environ.setdefault(
+    "TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.dirname(os.path.dirname(__file__)), "build", "inductor-cache")
+)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

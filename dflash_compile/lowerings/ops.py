@@ -37,7 +37,7 @@ def _fused_kv_proj_reference(ctx, weight, k_norm_weight, cos, sin, eps):
     half = D // 2
     rotated = torch.cat((-k[..., half:], k[..., :half]), dim=-1)
     k = k * cos[None, :, None, :] + rotated * sin[None, :, None, :]
-    return k.contiguous(), kv[1].contiguous()
+    return k.to(ctx.dtype).contiguous(), kv[1].contiguous()
 
 
 @fused_kv_proj.register_fake
@@ -83,7 +83,8 @@ def block_attention(
     """A query block per request attending to its paged context plus, optionally, the block's own keys.
 
     ``q [B, Hq, T, D]``; ``k_pool``/``v_pool [num_slots, Hkv, D]``; ``block_table [B, NB]`` int64;
-    ``ctx_lens [B]``; ``q_positions [B, T]``; ``k_block``/``v_block [B, Hkv, T, D]`` or None.
+    ``ctx_lens [B]``; ``q_positions [B, T]``; ``k_block``/``v_block [B, Hkv, T, D]`` or None. Every context
+    position below ``ctx_lens[b]`` must lie in an allocated block (table entry >= 0).
 
     Keys of row ``b``: the context positions ``p < ctx_lens[b]``, stored at slot
     ``block_table[b, p // page_size] * page_size + p % page_size``, then the ``T`` block keys, the j-th at

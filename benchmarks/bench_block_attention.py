@@ -1,0 +1,134 @@
+"""``dflash::block_attention``: eager reference vs ``torch.compile`` (Inductor), and the Triton kernel on CUDA.
+
+    python benchmarks/bench_block_attention.py [--repeats 10] [--batch 1 4 16] [--threads N] [--out benchmarks/results]
+
+The drafter's case: a block of T queries per row attends, non-causally, to its paged context (256..1024
+positions per row, page size 16) plus the block's own keys; Hq=8, Hkv=2, D=128. Median of ``--repeats``
+after one warm-up call (which, for Inductor, is the compile). fp32 on CPU, bf16 on CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(__file__).resolve().parents[1] / "build" / "inductor-cache"))
+
+import torch  # noqa: E402
+
+from dflash_compile.lowerings.ops import _block_attention_reference  # noqa: E402
+
+
+def _inputs(B, args, device, dtype, gen):
+    NB = args.max_ctx // args.page_size
+    num_pages = B * NB + 1
+    k_pool = torch.randn(num_pages * args.page_size, args.hkv, args.head_dim, generator=gen).to(device, dtype)
+    v_pool = torch.randn(num_pages * args.page_size, args.hkv, args.head_dim, generator=gen).to(device, dtype)
+    block_table = torch.randperm(num_pages, generator=gen)[: B * NB].view(B, NB).to(device)
+    ctx_lens = torch.randint(args.min_ctx, args.max_ctx + 1, (B,), generator=gen).to(device)
+    q_positions = ctx_lens[:, None] + torch.arange(args.block, device=device)
+    q = torch.randn(B, args.hq, args.block, args.head_dim, generator=gen).to(device, dtype)
+    k_block = torch.randn(B, args.hkv, args.block, args.head_dim, generator=gen).to(device, dtype)
+    v_block = torch.randn(B, args.hkv, args.block, args.head_dim, generator=gen).to(device, dtype)
+    return (q, k_pool, v_pool, block_table, ctx_lens, q_positions, k_block, v_block,
+            args.page_size, False, 0, args.head_dim**-0.5)
+
+
+def _median_ms(fn, repeats, device):
+    def once():
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return (time.perf_counter() - t0) * 1e3
+
+    first = once()  # warm-up (compiles)
+    return statistics.median(once() for _ in range(repeats)), first
+
+
+def bench(device, args):
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    rows = []
+    for B in args.batch:
+        gen = torch.Generator().manual_seed(B)
+        inputs = _inputs(B, args, device, dtype, gen)
+        expected = _block_attention_reference(*inputs)
+        row = {"device": device, "dtype": str(dtype).removeprefix("torch."), "B": B}
+        row["eager_ms"], _ = _median_ms(lambda: _block_attention_reference(*inputs), args.repeats, device)
+        compiled = torch.compile(_block_attention_reference, backend="inductor", dynamic=False)
+        row["inductor_ms"], compile_ms = _median_ms(lambda: compiled(*inputs), args.repeats, device)
+        row["inductor_compile_s"] = compile_ms / 1e3
+        torch.testing.assert_close(compiled(*inputs), expected, atol=2e-2, rtol=2e-2)
+        if device == "cuda":
+            from dflash_compile.lowerings.triton.block_attention import block_attention
+
+            row["triton_ms"], _ = _median_ms(lambda: block_attention(*inputs), args.repeats, device)
+            torch.testing.assert_close(block_attention(*inputs), expected, atol=2e-2, rtol=2e-2)
+        rows.append(row)
+        print(json.dumps(row))
+    return rows
+
+
+def _markdown(results):
+    args = results["args"]
+    lines = [
+        f"Machine: {results['machine']}. block_attention: Hq={args['hq']}, Hkv={args['hkv']}, D={args['head_dim']}, "
+        f"T={args['block']}, context {args['min_ctx']}..{args['max_ctx']} (page {args['page_size']}), "
+        f"non-causal + block keys; median of {args['repeats']}.",
+        "",
+        "| device | dtype | B | eager (ms) | inductor (ms) | triton (ms) | inductor speed-up | triton speed-up "
+        "| inductor compile (s) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results["rows"]:
+        triton_ms = r.get("triton_ms")
+        lines.append(
+            f"| {r['device']} | {r['dtype']} | {r['B']} | {r['eager_ms']:.2f} | {r['inductor_ms']:.2f} | "
+            + (f"{triton_ms:.3f}" if triton_ms else "n/a")
+            + f" | {r['eager_ms'] / r['inductor_ms']:.2f}x | "
+            + (f"{r['eager_ms'] / triton_ms:.2f}x" if triton_ms else "n/a")
+            + f" | {r['inductor_compile_s']:.1f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--hq", type=int, default=8)
+    p.add_argument("--hkv", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--block", type=int, default=16)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--min-ctx", type=int, default=256)
+    p.add_argument("--max-ctx", type=int, default=1024)
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--out", default="benchmarks/results")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    results = {
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+        + (f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""),
+        "args": vars(args),
+        "rows": [row for device in devices for row in bench(device, args)],
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_block_attention.json").write_text(json.dumps(results, indent=2) + "\n")
+    table = _markdown(results)
+    (out / "bench_block_attention.md").write_text(table)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

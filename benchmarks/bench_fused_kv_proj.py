@@ -1,0 +1,128 @@
+"""``dflash::fused_kv_proj``: eager reference vs ``torch.compile`` (Inductor), and the Triton epilogue on CUDA.
+
+    python benchmarks/bench_fused_kv_proj.py [--repeats 10] [--batch 1 4 16] [--threads N] [--out benchmarks/results]
+
+The drafter's case: ``T`` new context rows per request (N = B * T rows of hidden size 1024) projected to the
+K and V of every draft layer (L=4, Hkv=2, D=128) by one stacked matmul, K RMS-normed and rotated. Median of
+``--repeats`` after one warm-up call (which, for Inductor, is the compile). fp32 on CPU, bf16 on CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(__file__).resolve().parents[1] / "build" / "inductor-cache"))
+
+import torch  # noqa: E402
+
+from dflash_compile.lowerings.ops import _fused_kv_proj_reference  # noqa: E402
+
+
+def _inputs(N, args, device, dtype, gen):
+    L, Hkv, D, H = args.layers, args.hkv, args.head_dim, args.hidden
+    ctx = torch.randn(N, H, generator=gen).to(device, dtype)
+    weight = (torch.randn(2 * L * Hkv * D, H, generator=gen) / H**0.5).to(device, dtype)
+    k_norm_weight = (torch.rand(L, D, generator=gen) + 0.5).to(device, dtype)
+    angles = torch.arange(N)[:, None] * 10000 ** (-torch.arange(0, D, 2) / D)  # [N, D/2]
+    cos = torch.cat([angles.cos()] * 2, dim=-1).to(device, dtype)
+    sin = torch.cat([angles.sin()] * 2, dim=-1).to(device, dtype)
+    return ctx, weight, k_norm_weight, cos, sin, 1e-6
+
+
+def _median_ms(fn, repeats, device):
+    def once():
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return (time.perf_counter() - t0) * 1e3
+
+    first = once()  # warm-up (compiles)
+    return statistics.median(once() for _ in range(repeats)), first
+
+
+def bench(device, args):
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    rows = []
+    for B in args.batch:
+        N = B * args.block
+        inputs = _inputs(N, args, device, dtype, torch.Generator().manual_seed(B))
+        k_ref, v_ref = _fused_kv_proj_reference(*inputs)
+        row = {"device": device, "dtype": str(dtype).removeprefix("torch."), "B": B, "N": N}
+        row["eager_ms"], _ = _median_ms(lambda: _fused_kv_proj_reference(*inputs), args.repeats, device)
+        compiled = torch.compile(_fused_kv_proj_reference, backend="inductor", dynamic=False)
+        row["inductor_ms"], compile_ms = _median_ms(lambda: compiled(*inputs), args.repeats, device)
+        row["inductor_compile_s"] = compile_ms / 1e3
+        k, v = compiled(*inputs)
+        torch.testing.assert_close((k, v), (k_ref, v_ref), atol=3e-2, rtol=3e-2)
+        if device == "cuda":
+            from dflash_compile.lowerings.triton.fused_kv_proj import fused_kv_proj
+
+            row["triton_ms"], _ = _median_ms(lambda: fused_kv_proj(*inputs), args.repeats, device)
+            torch.testing.assert_close(fused_kv_proj(*inputs), (k_ref, v_ref), atol=3e-2, rtol=3e-2)
+        rows.append(row)
+        print(json.dumps(row))
+    return rows
+
+
+def _markdown(results):
+    args = results["args"]
+    lines = [
+        f"Machine: {results['machine']}. fused_kv_proj: hidden {args['hidden']}, L={args['layers']}, "
+        f"Hkv={args['hkv']}, D={args['head_dim']}, N = B x {args['block']} rows; median of {args['repeats']}.",
+        "",
+        "| device | dtype | B | N | eager (ms) | inductor (ms) | triton (ms) | inductor speed-up | triton speed-up "
+        "| inductor compile (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results["rows"]:
+        triton_ms = r.get("triton_ms")
+        lines.append(
+            f"| {r['device']} | {r['dtype']} | {r['B']} | {r['N']} | {r['eager_ms']:.3f} | {r['inductor_ms']:.3f} | "
+            + (f"{triton_ms:.3f}" if triton_ms else "n/a")
+            + f" | {r['eager_ms'] / r['inductor_ms']:.2f}x | "
+            + (f"{r['eager_ms'] / triton_ms:.2f}x" if triton_ms else "n/a")
+            + f" | {r['inductor_compile_s']:.1f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hkv", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--block", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--out", default="benchmarks/results")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    results = {
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+        + (f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""),
+        "args": vars(args),
+        "rows": [row for device in devices for row in bench(device, args)],
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_fused_kv_proj.json").write_text(json.dumps(results, indent=2) + "\n")
+    table = _markdown(results)
+    (out / "bench_fused_kv_proj.md").write_text(table)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

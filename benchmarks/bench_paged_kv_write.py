@@ -1,0 +1,132 @@
+"""``dflash::paged_kv_write``: eager reference vs ``torch.compile`` (Inductor), and the Triton kernel on CUDA.
+
+    python benchmarks/bench_paged_kv_write.py [--repeats 10] [--batch 1 4 16] [--threads N] [--out benchmarks/results]
+
+The drafter's case: the K and V of ``T`` new context rows per request, for every draft layer, scattered into
+a ``[2, L, num_slots, Hkv, D]`` pool (L=4, Hkv=2, D=128; 1024 slots per row); the last row is padding
+(slot -1). Median of ``--repeats`` after one warm-up call (which, for Inductor, is the compile). fp32 on CPU,
+bf16 on CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(__file__).resolve().parents[1] / "build" / "inductor-cache"))
+
+import torch  # noqa: E402
+
+from dflash_compile.lowerings import ops  # noqa: E402
+
+_reference = ops.paged_kv_write._init_fn  # the plain torch body of the custom op
+
+
+def _inputs(B, args, device, dtype, gen):
+    pool = torch.zeros(2, args.layers, B * args.max_ctx + 1, args.hkv, args.head_dim, dtype=dtype, device=device)
+    ctx_lens = torch.randint(0, args.max_ctx - args.block + 1, (B,), generator=gen)
+    slots = (torch.arange(B)[:, None] * args.max_ctx + ctx_lens[:, None] + torch.arange(args.block)).flatten()
+    if B > 1:
+        slots[-args.block:] = -1  # a padded row
+    values = torch.randn(2, args.layers, B * args.block, args.hkv, args.head_dim, generator=gen).to(device, dtype)
+    return pool, slots.to(device), values
+
+
+def _median_ms(fn, repeats, device):
+    def once():
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return (time.perf_counter() - t0) * 1e3
+
+    first = once()  # warm-up (compiles)
+    return statistics.median(once() for _ in range(repeats)), first
+
+
+def bench(device, args):
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    rows = []
+    for B in args.batch:
+        gen = torch.Generator().manual_seed(B)
+        pool, slots, values = _inputs(B, args, device, dtype, gen)
+        expected = pool.clone()
+        _reference(expected, slots, values)
+        row = {"device": device, "dtype": str(dtype).removeprefix("torch."), "B": B, "rows": slots.numel()}
+        row["eager_ms"], _ = _median_ms(lambda: _reference(pool, slots, values), args.repeats, device)
+        compiled = torch.compile(_reference, backend="inductor", dynamic=False)
+        pool.zero_()
+        row["inductor_ms"], compile_ms = _median_ms(lambda: compiled(pool, slots, values), args.repeats, device)
+        row["inductor_compile_s"] = compile_ms / 1e3
+        torch.testing.assert_close(pool, expected, atol=0, rtol=0)
+        if device == "cuda":
+            from dflash_compile.lowerings.triton.paged_kv_write import paged_kv_write
+
+            pool.zero_()
+            row["triton_ms"], _ = _median_ms(lambda: paged_kv_write(pool, slots, values), args.repeats, device)
+            torch.testing.assert_close(pool, expected, atol=0, rtol=0)
+        rows.append(row)
+        print(json.dumps(row))
+    return rows
+
+
+def _markdown(results):
+    args = results["args"]
+    lines = [
+        f"Machine: {results['machine']}. paged_kv_write: pool [2, L={args['layers']}, slots, Hkv={args['hkv']}, "
+        f"D={args['head_dim']}], T={args['block']} rows per request; median of {args['repeats']}.",
+        "",
+        "| device | dtype | B | rows | eager (ms) | inductor (ms) | triton (ms) | inductor speed-up | triton speed-up "
+        "| inductor compile (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results["rows"]:
+        triton_ms = r.get("triton_ms")
+        lines.append(
+            f"| {r['device']} | {r['dtype']} | {r['B']} | {r['rows']} | {r['eager_ms']:.3f} | {r['inductor_ms']:.3f} | "
+            + (f"{triton_ms:.3f}" if triton_ms else "n/a")
+            + f" | {r['eager_ms'] / r['inductor_ms']:.2f}x | "
+            + (f"{r['eager_ms'] / triton_ms:.2f}x" if triton_ms else "n/a")
+            + f" | {r['inductor_compile_s']:.1f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hkv", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--block", type=int, default=16)
+    p.add_argument("--max-ctx", type=int, default=1024)
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--out", default="benchmarks/results")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    results = {
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+        + (f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""),
+        "args": vars(args),
+        "rows": [row for device in devices for row in bench(device, args)],
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_paged_kv_write.json").write_text(json.dumps(results, indent=2) + "\n")
+    table = _markdown(results)
+    (out / "bench_paged_kv_write.md").write_text(table)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,232 @@
+"""The Triton kernels of ``lowerings/triton`` against the eager references of ``lowerings/ops.py``.
+
+Without a CUDA device the kernels run in the Triton interpreter on CPU tensors; with one they are compiled.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # must precede the first ``import triton``
+triton = pytest.importorskip("triton", reason="triton is not installed")
+
+if not torch.cuda.is_available():
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(triton.language.zeros, InterpretedFunction):  # triton's own @jit helpers were compiled
+        pytest.skip(
+            "triton was imported (e.g. by torch._dynamo) before TRITON_INTERPRET=1 was set; run this file first, "
+            "on its own, or with TRITON_INTERPRET=1 in the environment",
+            allow_module_level=True,
+        )
+
+from dflash_compile.lowerings import ops  # noqa: E402
+from dflash_compile.lowerings.triton import block_attention as block_attention_mod  # noqa: E402
+from dflash_compile.lowerings.triton import register_cuda_kernels  # noqa: E402
+from dflash_compile.lowerings.triton.block_attention import block_attention  # noqa: E402
+from dflash_compile.lowerings.triton.fused_kv_proj import fused_kv_proj  # noqa: E402
+from dflash_compile.lowerings.triton.paged_kv_write import paged_kv_write  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# bf16 is checked against the fp32 reference of the same (upcast) inputs; the interpreter also truncates
+# fp32 -> bf16 instead of rounding, which the bf16 tolerance covers.
+DTYPES = [
+    pytest.param(torch.float32, 2e-5, 2e-5, id="fp32"),
+    pytest.param(torch.float16, 5e-3, 5e-3, id="fp16"),
+    pytest.param(torch.bfloat16, 3e-2, 3e-2, id="bf16"),
+]
+
+
+def _ref_dtype(dtype):
+    return torch.float32 if dtype == torch.bfloat16 else dtype
+
+
+def _to_ref(x, dtype):
+    floating = isinstance(x, torch.Tensor) and x.is_floating_point()
+    return x.to(_ref_dtype(dtype)) if floating else x
+
+
+def _assert_close(actual, expected, atol, rtol):
+    torch.testing.assert_close(actual.float().cpu(), expected.float().cpu(), atol=atol, rtol=rtol)
+
+
+# --------------------------------------------------------------------------------------------- block_attention
+def _attention_inputs(B, Hkv, G, T, D, page_size, NB, with_block, dtype, gen):
+    num_pages = B * NB + 3  # spare pages nobody owns
+    num_slots = num_pages * page_size
+    k_pool = torch.randn(num_slots, Hkv, D, generator=gen).to(dtype)
+    v_pool = torch.randn(num_slots, Hkv, D, generator=gen).to(dtype)
+    block_table = torch.randperm(num_pages, generator=gen)[: B * NB].view(B, NB)
+    ctx_lens = torch.randint(0, NB * page_size + 1, (B,), generator=gen)
+    ctx_lens[0] = 0  # a row without context
+    if B > 2:
+        ctx_lens[-1] = NB * page_size  # a full row
+    base = (ctx_lens - torch.randint(0, 7, (B,), generator=gen)).clamp(min=0)  # queries may overlap the context
+    q_positions = base[:, None] + torch.arange(T)
+    q = torch.randn(B, Hkv * G, T, D, generator=gen).to(dtype)
+    k_block = torch.randn(B, Hkv, T, D, generator=gen).to(dtype) if with_block else None
+    v_block = torch.randn(B, Hkv, T, D, generator=gen).to(dtype) if with_block else None
+    return dict(
+        q=q, k_pool=k_pool, v_pool=v_pool, block_table=block_table, ctx_lens=ctx_lens, q_positions=q_positions,
+        k_block=k_block, v_block=v_block, page_size=page_size,
+    )
+
+
+def _attention_reference(inputs, dtype, causal, window, scale):
+    ref_inputs = {k: _to_ref(v, dtype) for k, v in inputs.items()}
+    return ops._block_attention_reference(**ref_inputs, causal=causal, window=window, scale=scale)
+
+
+def _on(inputs, device):
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+
+
+# (B, Hkv, G = Hq // Hkv, T, D, page_size, pages per row): context lengths up to 40, not tile multiples
+ATTENTION_SHAPES = [
+    pytest.param(3, 2, 1, 1, 64, 4, 6, id="B3-gqa1-T1-D64-ps4"),
+    pytest.param(2, 1, 4, 3, 128, 16, 2, id="B2-gqa4-T3-D128-ps16"),
+    pytest.param(3, 2, 2, 5, 64, 4, 10, id="B3-gqa2-T5-D64-ps4"),
+    pytest.param(2, 1, 2, 5, 128, 16, 3, id="B2-gqa2-T5-D128-ps16"),
+]
+
+
+@pytest.mark.parametrize("with_block", [False, True], ids=["ctx", "ctx+block"])
+@pytest.mark.parametrize("window", [0, 3])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("B, Hkv, G, T, D, page_size, NB", ATTENTION_SHAPES)
+@pytest.mark.parametrize("dtype, atol, rtol", DTYPES)
+def test_block_attention(dtype, atol, rtol, B, Hkv, G, T, D, page_size, NB, causal, window, with_block):
+    gen = torch.Generator().manual_seed(B * 1000 + G * 100 + T * 10 + page_size)
+    inputs = _attention_inputs(B, Hkv, G, T, D, page_size, NB, with_block, dtype, gen)
+    args = dict(causal=causal, window=window, scale=D**-0.5)
+    expected = _attention_reference(inputs, dtype, **args)
+    out = block_attention(**_on(inputs, DEVICE), **args)
+    assert out.dtype == dtype and out.shape == inputs["q"].shape
+    _assert_close(out, expected, atol, rtol)
+
+
+@pytest.mark.parametrize("window", [0, 4])
+def test_block_attention_several_query_tiles(window):
+    """Hq // Hkv * T rows split over several programs, each walking its own context range."""
+    gen = torch.Generator().manual_seed(7)
+    inputs = _attention_inputs(2, 2, 4, 5, 64, 4, 8, True, torch.float32, gen)
+    args = dict(causal=True, window=window, scale=0.125)
+    expected = _attention_reference(inputs, torch.float32, **args)
+    out = block_attention_mod._launch(**_on(inputs, DEVICE), **args, block_m=16, block_n=16)
+    _assert_close(out, expected, 2e-5, 2e-5)
+
+
+@pytest.mark.parametrize("causal, window", [(True, 0), (False, 3), (True, 2)])
+def test_block_attention_ignores_nan_in_invisible_slots(causal, window):
+    """NaN in pool slots that no query may see (past ctx_len, outside the window, unowned pages) stays out."""
+    gen = torch.Generator().manual_seed(3)
+    B, Hkv, G, T, D, page_size, NB = 3, 2, 2, 3, 64, 4, 6
+    inputs = _attention_inputs(B, Hkv, G, T, D, page_size, NB, True, torch.float32, gen)
+    args = dict(causal=causal, window=window, scale=D**-0.5)
+    expected = _attention_reference(inputs, torch.float32, **args)
+
+    S = NB * page_size
+    visible = ops.block_attention_mask(inputs["ctx_lens"], inputs["q_positions"], S, 0, causal, window).any(1)
+    pos = torch.arange(S)
+    slots = inputs["block_table"][:, pos // page_size] * page_size + pos % page_size  # [B, S]
+    keep = torch.zeros(inputs["k_pool"].shape[0], dtype=torch.bool)
+    keep[slots[visible]] = True
+    assert (~keep).sum() > 0 and (~visible).any()
+    for name in ("k_pool", "v_pool"):
+        inputs[name] = inputs[name].masked_fill(~keep[:, None, None], float("nan"))
+
+    out = block_attention(**_on(inputs, DEVICE), **args)
+    assert torch.isfinite(out).all()
+    _assert_close(out, expected, 2e-5, 2e-5)
+
+
+def test_block_attention_without_visible_keys_is_zero():
+    gen = torch.Generator().manual_seed(5)
+    inputs = _attention_inputs(2, 1, 2, 3, 64, 4, 2, False, torch.float32, gen)
+    inputs["ctx_lens"].zero_()
+    out = block_attention(**_on(inputs, DEVICE), causal=True, window=0, scale=0.125)
+    assert torch.equal(out.cpu(), torch.zeros_like(inputs["q"]))
+
+
+# ---------------------------------------------------------------------------------------------- paged_kv_write
+@pytest.mark.parametrize("lead", [(), (2,), (2, 3)], ids=["lead0", "lead1", "lead2"])
+@pytest.mark.parametrize("Hkv, D", [(2, 64), (1, 128), (3, 5)])
+@pytest.mark.parametrize("value_dtype", [None, torch.float32], ids=["same", "from-fp32"])
+@pytest.mark.parametrize("dtype, atol, rtol", DTYPES)
+def test_paged_kv_write(dtype, atol, rtol, value_dtype, Hkv, D, lead):
+    gen = torch.Generator().manual_seed(11)
+    num_slots = 23
+    pool = torch.randn(*lead, num_slots, Hkv, D, generator=gen).to(dtype)
+    slots = torch.tensor([5, -1, 0, 22, 13])  # one padded row
+    values = torch.randn(*lead, len(slots), Hkv, D, generator=gen).to(value_dtype or dtype)
+    expected = pool.clone()
+    ops.paged_kv_write(expected, slots, values)  # on CPU: the reference
+
+    pool_dev = pool.to(DEVICE)
+    out = paged_kv_write(pool_dev, slots.to(DEVICE), values.to(DEVICE))
+    assert out is None
+    # A same-dtype copy is exact; the interpreter truncates fp32 -> bf16 instead of rounding.
+    exact = value_dtype is None or dtype != torch.bfloat16
+    _assert_close(pool_dev, expected, 0 if exact else atol, 0 if exact else rtol)
+
+
+def test_paged_kv_write_all_padded_and_empty():
+    before = torch.randn(2, 9, 2, 64)
+    pool = before.to(DEVICE, copy=True)
+    paged_kv_write(pool, torch.full((4,), -1, device=DEVICE), torch.ones(2, 4, 2, 64, device=DEVICE))
+    paged_kv_write(pool, torch.empty(0, dtype=torch.long, device=DEVICE), torch.ones(2, 0, 2, 64, device=DEVICE))
+    assert torch.equal(pool.cpu(), before)
+
+
+# ----------------------------------------------------------------------------------------------- fused_kv_proj
+def _rope(N, D, gen):
+    angles = torch.rand(N, D // 2, generator=gen) * 10
+    return torch.cat([angles.cos()] * 2, dim=-1), torch.cat([angles.sin()] * 2, dim=-1)
+
+
+@pytest.mark.parametrize("L, N, Hkv, D", [(1, 1, 2, 64), (3, 5, 1, 128), (2, 3, 4, 64)])
+@pytest.mark.parametrize("dtype, atol, rtol", DTYPES)
+def test_fused_kv_proj(dtype, atol, rtol, L, N, Hkv, D):
+    gen = torch.Generator().manual_seed(L * 100 + N * 10 + Hkv)
+    H = 48
+    ctx = torch.randn(N, H, generator=gen).to(dtype)
+    weight = (torch.randn(2 * L * Hkv * D, H, generator=gen) / H**0.5).to(dtype)
+    k_norm_weight = (torch.rand(L, D, generator=gen) + 0.5).to(dtype)
+    cos, sin = (t.to(dtype) for t in _rope(N, D, gen))
+    inputs = (ctx, weight, k_norm_weight, cos, sin)
+    k_ref, v_ref = ops._fused_kv_proj_reference(*(_to_ref(t, dtype) for t in inputs), 1e-6)
+    k, v = fused_kv_proj(*(t.to(DEVICE) for t in inputs), 1e-6)
+    assert k.shape == v.shape == (L, N, Hkv, D) and k.dtype == v.dtype == dtype
+    assert k.is_contiguous() and v.is_contiguous()
+    _assert_close(k, k_ref, atol, rtol)
+    _assert_close(v, v_ref, atol, rtol)
+
+
+def test_fused_kv_proj_strided_rope_tables():
+    gen = torch.Generator().manual_seed(1)
+    L, N, Hkv, D, H = 2, 3, 2, 64, 32
+    ctx = torch.randn(N, H, generator=gen)
+    weight = torch.randn(2 * L * Hkv * D, H, generator=gen) / H**0.5
+    k_norm_weight = torch.rand(L, D, generator=gen) + 0.5
+    cos, sin = _rope(1, D, gen)
+    cos, sin = cos.expand(N, D), sin.expand(N, D)  # stride 0 over rows
+    k_ref, v_ref = ops._fused_kv_proj_reference(ctx, weight, k_norm_weight, cos, sin, 1e-5)
+    k, v = fused_kv_proj(*(t.to(DEVICE) for t in (ctx, weight, k_norm_weight, cos, sin)), 1e-5)
+    _assert_close(k, k_ref, 2e-5, 2e-5)
+    _assert_close(v, v_ref, 0, 0)
+
+
+# ------------------------------------------------------------------------------------------------ registration
+def test_register_cuda_kernels_is_idempotent():
+    register_cuda_kernels()
+    register_cuda_kernels()
+    if DEVICE != "cuda":
+        return
+    gen = torch.Generator().manual_seed(2)
+    inputs = _attention_inputs(2, 2, 2, 3, 64, 4, 3, True, torch.float16, gen)
+    args = dict(causal=False, window=0, scale=0.125)
+    expected = _attention_reference(inputs, torch.float16, **args)
+    _assert_close(ops.block_attention(**_on(inputs, DEVICE), **args), expected, 5e-3, 5e-3)
