@@ -11,17 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import statistics
-import time
-from pathlib import Path
 
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(__file__).resolve().parents[1] / "build" / "inductor-cache"))
+import torch
+from _harness import devices, median_ms, report
 
-import torch  # noqa: E402
-
-from dflash_compile.lowerings.ops import _fused_kv_proj_reference  # noqa: E402
+from dflash_compile.lowerings.ops import _fused_kv_proj_reference
 
 
 def _inputs(N, args, device, dtype, gen):
@@ -35,20 +29,6 @@ def _inputs(N, args, device, dtype, gen):
     return ctx, weight, k_norm_weight, cos, sin, 1e-6
 
 
-def _median_ms(fn, repeats, device):
-    def once():
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        return (time.perf_counter() - t0) * 1e3
-
-    first = once()  # warm-up (compiles)
-    return statistics.median(once() for _ in range(repeats)), first
-
-
 def bench(device, args):
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     rows = []
@@ -57,42 +37,28 @@ def bench(device, args):
         inputs = _inputs(N, args, device, dtype, torch.Generator().manual_seed(B))
         k_ref, v_ref = _fused_kv_proj_reference(*inputs)
         row = {"device": device, "dtype": str(dtype).removeprefix("torch."), "B": B, "N": N}
-        row["eager_ms"], _ = _median_ms(lambda: _fused_kv_proj_reference(*inputs), args.repeats, device)
+        row["eager_ms"], _ = median_ms(lambda: _fused_kv_proj_reference(*inputs), args.repeats, device)
         compiled = torch.compile(_fused_kv_proj_reference, backend="inductor", dynamic=False)
-        row["inductor_ms"], compile_ms = _median_ms(lambda: compiled(*inputs), args.repeats, device)
+        row["inductor_ms"], compile_ms = median_ms(lambda: compiled(*inputs), args.repeats, device)
         row["inductor_compile_s"] = compile_ms / 1e3
         k, v = compiled(*inputs)
         torch.testing.assert_close((k, v), (k_ref, v_ref), atol=3e-2, rtol=3e-2)
         if device == "cuda":
             from dflash_compile.lowerings.triton.fused_kv_proj import fused_kv_proj
 
-            row["triton_ms"], _ = _median_ms(lambda: fused_kv_proj(*inputs), args.repeats, device)
+            row["triton_ms"], _ = median_ms(lambda: fused_kv_proj(*inputs), args.repeats, device)
             torch.testing.assert_close(fused_kv_proj(*inputs), (k_ref, v_ref), atol=3e-2, rtol=3e-2)
         rows.append(row)
         print(json.dumps(row))
     return rows
 
 
-def _markdown(results):
-    args = results["args"]
-    lines = [
-        f"Machine: {results['machine']}. fused_kv_proj: hidden {args['hidden']}, L={args['layers']}, "
-        f"Hkv={args['hkv']}, D={args['head_dim']}, N = B x {args['block']} rows; median of {args['repeats']}.",
-        "",
-        "| device | dtype | B | N | eager (ms) | inductor (ms) | triton (ms) | inductor speed-up | triton speed-up "
-        "| inductor compile (s) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in results["rows"]:
-        triton_ms = r.get("triton_ms")
-        lines.append(
-            f"| {r['device']} | {r['dtype']} | {r['B']} | {r['N']} | {r['eager_ms']:.3f} | {r['inductor_ms']:.3f} | "
-            + (f"{triton_ms:.3f}" if triton_ms else "n/a")
-            + f" | {r['eager_ms'] / r['inductor_ms']:.2f}x | "
-            + (f"{r['eager_ms'] / triton_ms:.2f}x" if triton_ms else "n/a")
-            + f" | {r['inductor_compile_s']:.1f} |"
-        )
-    return "\n".join(lines) + "\n"
+def _title(args):
+    args = vars(args)
+    return (
+        f"fused_kv_proj: hidden {args['hidden']}, L={args['layers']}, "
+        f"Hkv={args['hkv']}, D={args['head_dim']}, N = B x {args['block']} rows; median of {args['repeats']}."
+    )
 
 
 def main(argv=None):
@@ -109,19 +75,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-    results = {
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
-        + (f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""),
-        "args": vars(args),
-        "rows": [row for device in devices for row in bench(device, args)],
-    }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_fused_kv_proj.json").write_text(json.dumps(results, indent=2) + "\n")
-    table = _markdown(results)
-    (out / "bench_fused_kv_proj.md").write_text(table)
-    print(table)
+    rows = [row for device in devices() for row in bench(device, args)]
+    report("bench_fused_kv_proj", args, rows, _title(args), extra=("N",))
 
 
 if __name__ == "__main__":

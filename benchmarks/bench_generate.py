@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from bench_step import step_inputs, time_step
+
 from dflash_compile import DFlashDraftModel, DFlashSpecWrapper
 
 
@@ -50,29 +52,9 @@ def _median_time(fn, repeats):
     return statistics.median(times)
 
 
-@torch.no_grad()
 def step_times(spec, buckets, prompt_len, repeats):
     """Median eager time of one ``forward`` (verify + accept + propose) per bucket, after prefill."""
-    out = {}
-    cache = spec.kv_cache()
-    g = torch.Generator().manual_seed(0)
-    for bucket in buckets:
-        blocks = []
-        for row in range(bucket):
-            cache.ensure(row, prompt_len + spec.block_size)
-            ids = torch.randint(0, spec.draft.config.vocab_size - 1, (1, prompt_len), generator=g)
-            blocks.append(spec.prefill(ids, cache.block_table([row]), cache))
-        inputs = (
-            torch.cat(blocks),
-            torch.full((bucket,), prompt_len),
-            cache.block_table(list(range(bucket))),
-            torch.ones(bucket, dtype=torch.bool),
-        )
-        spec(*inputs, cache.target_pool, cache.draft_pool)  # warm-up
-        out[bucket] = _median_time(lambda: spec(*inputs, cache.target_pool, cache.draft_pool), repeats)
-        for row in range(bucket):
-            cache.free(row)
-    return out
+    return {b: time_step(spec, step_inputs(spec, b, prompt_len), repeats) for b in buckets}
 
 
 @torch.no_grad()

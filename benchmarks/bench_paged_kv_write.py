@@ -12,17 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import statistics
-import time
-from pathlib import Path
 
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(__file__).resolve().parents[1] / "build" / "inductor-cache"))
+import torch
+from _harness import devices, median_ms, report
 
-import torch  # noqa: E402
-
-from dflash_compile.lowerings import ops  # noqa: E402
+from dflash_compile.lowerings import ops
 
 _reference = ops.paged_kv_write._init_fn  # the plain torch body of the custom op
 
@@ -37,20 +31,6 @@ def _inputs(B, args, device, dtype, gen):
     return pool, slots.to(device), values
 
 
-def _median_ms(fn, repeats, device):
-    def once():
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        return (time.perf_counter() - t0) * 1e3
-
-    first = once()  # warm-up (compiles)
-    return statistics.median(once() for _ in range(repeats)), first
-
-
 def bench(device, args):
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     rows = []
@@ -60,43 +40,29 @@ def bench(device, args):
         expected = pool.clone()
         _reference(expected, slots, values)
         row = {"device": device, "dtype": str(dtype).removeprefix("torch."), "B": B, "rows": slots.numel()}
-        row["eager_ms"], _ = _median_ms(lambda: _reference(pool, slots, values), args.repeats, device)
+        row["eager_ms"], _ = median_ms(lambda: _reference(pool, slots, values), args.repeats, device)
         compiled = torch.compile(_reference, backend="inductor", dynamic=False)
         pool.zero_()
-        row["inductor_ms"], compile_ms = _median_ms(lambda: compiled(pool, slots, values), args.repeats, device)
+        row["inductor_ms"], compile_ms = median_ms(lambda: compiled(pool, slots, values), args.repeats, device)
         row["inductor_compile_s"] = compile_ms / 1e3
         torch.testing.assert_close(pool, expected, atol=0, rtol=0)
         if device == "cuda":
             from dflash_compile.lowerings.triton.paged_kv_write import paged_kv_write
 
             pool.zero_()
-            row["triton_ms"], _ = _median_ms(lambda: paged_kv_write(pool, slots, values), args.repeats, device)
+            row["triton_ms"], _ = median_ms(lambda: paged_kv_write(pool, slots, values), args.repeats, device)
             torch.testing.assert_close(pool, expected, atol=0, rtol=0)
         rows.append(row)
         print(json.dumps(row))
     return rows
 
 
-def _markdown(results):
-    args = results["args"]
-    lines = [
-        f"Machine: {results['machine']}. paged_kv_write: pool [2, L={args['layers']}, slots, Hkv={args['hkv']}, "
-        f"D={args['head_dim']}], T={args['block']} rows per request; median of {args['repeats']}.",
-        "",
-        "| device | dtype | B | rows | eager (ms) | inductor (ms) | triton (ms) | inductor speed-up | triton speed-up "
-        "| inductor compile (s) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in results["rows"]:
-        triton_ms = r.get("triton_ms")
-        lines.append(
-            f"| {r['device']} | {r['dtype']} | {r['B']} | {r['rows']} | {r['eager_ms']:.3f} | {r['inductor_ms']:.3f} | "
-            + (f"{triton_ms:.3f}" if triton_ms else "n/a")
-            + f" | {r['eager_ms'] / r['inductor_ms']:.2f}x | "
-            + (f"{r['eager_ms'] / triton_ms:.2f}x" if triton_ms else "n/a")
-            + f" | {r['inductor_compile_s']:.1f} |"
-        )
-    return "\n".join(lines) + "\n"
+def _title(args):
+    args = vars(args)
+    return (
+        f"paged_kv_write: pool [2, L={args['layers']}, slots, Hkv={args['hkv']}, "
+        f"D={args['head_dim']}], T={args['block']} rows per request; median of {args['repeats']}."
+    )
 
 
 def main(argv=None):
@@ -113,19 +79,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-    results = {
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
-        + (f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""),
-        "args": vars(args),
-        "rows": [row for device in devices for row in bench(device, args)],
-    }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_paged_kv_write.json").write_text(json.dumps(results, indent=2) + "\n")
-    table = _markdown(results)
-    (out / "bench_paged_kv_write.md").write_text(table)
-    print(table)
+    rows = [row for device in devices() for row in bench(device, args)]
+    report("bench_paged_kv_write", args, rows, _title(args), extra=("rows",))
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ def build(args):
 
 @torch.no_grad()
 def step_inputs(spec, bucket, prompt_len):
+    """Prefilled requests ``0..bucket-1`` and the step's inputs for them (marked static, as ``generate`` does)."""
     cache = spec.kv_cache()
     g = torch.Generator().manual_seed(bucket)
     blocks = []
@@ -43,14 +44,18 @@ def step_inputs(spec, bucket, prompt_len):
         cache.free(row)
         cache.ensure(row, prompt_len + spec.block_size)
         ids = torch.randint(0, spec.draft.config.vocab_size - 1, (1, prompt_len), generator=g)
-        blocks.append(spec.prefill(ids, cache.block_table([row]), cache))
-    return (torch.cat(blocks), torch.full((bucket,), prompt_len), cache.block_table(list(range(bucket))),
-            torch.ones(bucket, dtype=torch.bool), cache.target_pool, cache.draft_pool)
+        blocks.append(spec.prefill(ids, cache.block_table([row]), cache)[0])
+    inputs = (torch.cat(blocks), torch.full((bucket,), prompt_len), cache.block_table(list(range(bucket))),
+              torch.ones(bucket, dtype=torch.bool), cache.target_pool, cache.draft_pool)
+    for t in inputs:
+        torch._dynamo.mark_static(t)
+    return inputs
 
 
 @torch.no_grad()
-def time_step(fn, inputs, repeats):
-    fn(*inputs)
+def time_step(fn, inputs, repeats, warmup=3):
+    for _ in range(warmup):  # the first calls after a compile are slow (lazy initialisation)
+        fn(*inputs)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()

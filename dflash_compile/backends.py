@@ -3,10 +3,12 @@
 Both retrace the captured graph to pre-dispatch ATen, run the DFlash passes (which swap the step's hot
 patterns for ``torch.ops.dflash.*``) and hand the result on:
 
-- ``dflash``: to Inductor. The custom ops run their Triton kernels on CUDA and the reference torch
-  implementation elsewhere; everything else is Inductor's.
+- ``dflash``: to Inductor. The custom ops run their Triton kernels on CUDA, a length-adaptive torch kernel
+  (``lowerings/cpu``) for ``block_attention`` on CPU and the reference (``lowerings/ops.py``) otherwise;
+  everything else is Inductor's.
 - ``dflash_neuron``: to the Neuron SDK's own dynamo backend with the NKI kernels registered, when the SDK is
-  importable. Without it: the same as ``dflash`` (passes, reference lowerings, Inductor), said once in the log.
+  importable. Without it: the same as ``dflash`` (passes, torch/Triton lowerings, Inductor), said once in the
+  log.
 
 Registered through the ``torch_dynamo_backends`` entry-point group, so ``torch.compile(fn, backend="dflash")``
 works without importing this package first. Graphs with dynamic shapes skip the passes (the DFlash step is
@@ -73,17 +75,24 @@ def _inductor(gm, example_inputs, options):
         return compile_fx(gm, example_inputs)
 
 
-def _uses_cuda(example_inputs) -> bool:
-    return any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs)
+def _register_kernels(example_inputs) -> None:
+    """Device kernels for the ops: Triton on CUDA, the length-adaptive CPU kernels on CPU."""
+    kinds = {x.device.type for x in example_inputs if isinstance(x, torch.Tensor)}
+    if "cuda" in kinds:
+        from .lowerings.triton import register_cuda_kernels
+
+        register_cuda_kernels()
+    if "cpu" in kinds:
+        from .lowerings.cpu import register_cpu_kernels
+
+        register_cpu_kernels()
 
 
 def dflash_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None):
     """``torch.compile(..., backend="dflash")``: DFlash passes, then Inductor (Triton kernels on CUDA)."""
     passed = dflash_passes(gm, example_inputs)
-    if passed is not None and _uses_cuda(example_inputs):
-        from .lowerings.triton import register_cuda_kernels
-
-        register_cuda_kernels()
+    if passed is not None:
+        _register_kernels(example_inputs)
     return _inductor(passed if passed is not None else gm, example_inputs, options)
 
 
@@ -108,6 +117,8 @@ def dflash_neuron_backend(gm: torch.fx.GraphModule, example_inputs, options: dic
     _say_once(
         "no-neuron",
         "dflash_neuron: the Neuron SDK (torch_neuronx, nki) is not installed; compiling with the DFlash passes, "
-        "the reference lowerings and Inductor instead of NKI kernels and the Neuron backend",
+        "the torch (CPU) / Triton (CUDA) lowerings and Inductor instead of NKI kernels and the Neuron backend",
     )
+    if passed is not None:
+        _register_kernels(example_inputs)
     return _inductor(graph, example_inputs, options)

@@ -133,9 +133,10 @@ def _block_attention_reference(
     if k_block is not None:
         k, v = torch.cat([k, k_block], dim=2), torch.cat([v, v_block], dim=2)
     mask = block_attention_mask(ctx_lens, q_positions, S, T if k_block is not None else 0, causal, window)
-    k = k.repeat_interleave(Hq // Hkv, dim=1).float()
-    v = v.repeat_interleave(Hq // Hkv, dim=1).float()
-    scores = (q.float() @ k.transpose(-1, -2)) * scale  # [B, Hq, T, K]
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32  # fp32 accumulation for half types
+    k = k.repeat_interleave(Hq // Hkv, dim=1).to(acc)
+    v = v.repeat_interleave(Hq // Hkv, dim=1).to(acc)
+    scores = (q.to(acc) @ k.transpose(-1, -2)) * scale  # [B, Hq, T, K]
     scores = scores.masked_fill(~mask[:, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a query with no visible key -> zeros
     v = torch.where(mask.any(1)[:, None, :, None], v, 0.0)  # keys no query sees contribute nothing, even NaN

@@ -1,0 +1,64 @@
+"""Shared timing and reporting for the op benchmarks (``bench_<op>.py``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(__file__).resolve().parents[1] / "build" / "inductor-cache"))
+
+import torch  # noqa: E402
+
+
+def median_ms(fn, repeats: int, device: str) -> tuple[float, float]:
+    """(median of ``repeats`` timed calls, the first call — the compile for compiled functions), in ms."""
+
+    def once():
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return (time.perf_counter() - t0) * 1e3
+
+    first = once()
+    return statistics.median(once() for _ in range(repeats)), first
+
+
+def devices() -> list[str]:
+    return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def machine() -> str:
+    gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
+    return f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}{gpu}"
+
+
+def markdown(title: str, rows: list[dict], extra: tuple[str, ...] = ()) -> str:
+    """One table row per result: eager vs Inductor (and Triton on CUDA), with speed-ups and compile time."""
+    head = ["device", "dtype", "B", *extra, "eager (ms)", "inductor (ms)", "triton (ms)", "inductor speed-up",
+            "triton speed-up", "inductor compile (s)"]
+    lines = [title, "", "| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    for r in rows:
+        t = r.get("triton_ms")
+        cells = [r["device"], r["dtype"], r["B"], *(r[k] for k in extra), f"{r['eager_ms']:.3f}",
+                 f"{r['inductor_ms']:.3f}", f"{t:.3f}" if t else "n/a", f"{r['eager_ms'] / r['inductor_ms']:.2f}x",
+                 f"{r['eager_ms'] / t:.2f}x" if t else "n/a", f"{r['inductor_compile_s']:.1f}"]
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def report(name: str, args, rows: list[dict], title: str, extra: tuple[str, ...] = ()) -> None:
+    """Write ``<out>/<name>.json`` and ``.md`` and print the table."""
+    results = {"machine": machine(), "args": vars(args), "rows": rows}
+    table = markdown(f"Machine: {results['machine']}. {title}", rows, extra)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(results, indent=2) + "\n")
+    (out / f"{name}.md").write_text(table)
+    print(table)
