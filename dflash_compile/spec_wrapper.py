@@ -7,9 +7,11 @@ static-shaped torch over the paged KV pools, with no host synchronisation. ``pre
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -18,7 +20,7 @@ from .draft_model import DFlashDraftModel
 from .generation import DFlashGenerateOutput, DFlashStats, GenerationArgs, resolve_generation_args
 from .hidden_states import AuxHiddenStates, decoder_layers
 from .kv_cache import PagedKVCache, context_visibility, paged_target_cache, read_slots, write_slots
-from .rejection import greedy_accept
+from .rejection import greedy_accept, process_logits, sample_from, speculative_accept
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16)
 _MASKABLE = ("sdpa", "eager")
@@ -70,6 +72,27 @@ def _target_layer_kinds(tcfg) -> tuple[tuple[str, ...] | None, int | None]:
     return (("sliding_attention",) if window is not None else None), window
 
 
+class SamplingInputs(NamedTuple):
+    """Per-row sampling state of one step (all tensors, so one compiled graph serves greedy and sampled rows).
+
+    ``do_sample``, ``temperature``, ``top_k``, ``top_p``: ``[Bk]`` (greedy rows ignore the last three).
+    ``draft_probs [Bk, B-1, V]``: the drafter's processed distribution that drew the block's drafts — the full
+    rows, because the residual ``max(p_target - p_draft, 0)`` needs them (``Bk * (B-1) * V`` floats: 16 x 15 x
+    152k fp32 is ~146 MB, fine for the vocabularies here; a large-vocab deployment would keep it in bf16).
+    ``u_accept [Bk, B-1]``, ``u_bonus [Bk]``, ``u_draft [Bk, B-1]``: uniforms in [0, 1) drawn on the host from each
+    request's own generator, for the acceptance tests, the residual/bonus sample and the next block's drafts.
+    """
+
+    do_sample: torch.Tensor
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    draft_probs: torch.Tensor
+    u_accept: torch.Tensor
+    u_bonus: torch.Tensor
+    u_draft: torch.Tensor
+
+
 @dataclass
 class _Request:
     index: int
@@ -79,6 +102,8 @@ class _Request:
     finish_reason: str | None = None
     seq_len: int = 0  # tokens in the target cache = position of the pending block's first token
     block: torch.Tensor | None = None  # [1, block_size]: bonus + drafts, to verify next
+    draft_probs: torch.Tensor | None = None  # [1, block_size - 1, V] when sampling: the drafts' distribution
+    generator: torch.Generator | None = None  # the request's own RNG (sampling)
 
 
 class DFlashSpecWrapper(nn.Module):
@@ -139,14 +164,16 @@ class DFlashSpecWrapper(nn.Module):
 
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
-    def forward(self, block, seq_lens, block_tables, active, target_pool, draft_pool):
+    def forward(self, block, seq_lens, block_tables, active, target_pool, draft_pool, sampling: SamplingInputs | None = None):
         """One speculative step for a batch bucket of ``Bk`` rows.
 
         ``block [Bk, B]`` = each row's bonus token and drafts (at positions ``seq_lens + 0..B-1``),
         ``seq_lens [Bk]`` tokens already in the cache, ``block_tables [Bk, NB]``, ``active [Bk]`` (False for
-        bucket padding), the two pools (written in place).
+        bucket padding), the two pools (written in place), and ``sampling`` (``SamplingInputs``; None: all rows
+        greedy, the greedy-only graph).
         Returns ``tokens [Bk, B]`` (accepted drafts then the target's next token, padded with -1),
-        ``num_accepted [Bk]`` and ``next_block [Bk, B]`` (the new bonus and its drafts).
+        ``num_accepted [Bk]``, ``next_block [Bk, B]`` (the new bonus and its drafts) and ``next_draft_probs
+        [Bk, B-1, V]`` (None without ``sampling``).
         """
         B = block.shape[1]
         offsets = torch.arange(B, device=block.device)
@@ -157,6 +184,13 @@ class DFlashSpecWrapper(nn.Module):
         logits, aux = self._target_forward(block, positions, in_capacity, kv_lens, block_tables, active, target_pool)
         target_tokens = logits.argmax(-1)  # [Bk, B]
         tokens, num_accepted = greedy_accept(block[:, 1:], target_tokens)
+        if sampling is not None:
+            p = sampling
+            target_probs = process_logits(logits, p.temperature, p.top_k, p.top_p).softmax(-1)  # [Bk, B, V]
+            s_tokens, s_accepted = speculative_accept(block[:, 1:], p.draft_probs, target_probs, p.u_accept, p.u_bonus)
+            tokens = torch.where(p.do_sample[:, None], s_tokens, tokens)
+            num_accepted = torch.where(p.do_sample, s_accepted, num_accepted)
+        bonus = tokens.gather(1, num_accepted[:, None])  # [Bk, 1]: the token after the accepted drafts
         tokens = torch.where(active[:, None], tokens, -1)
         num_accepted = torch.where(active, num_accepted, 0)
 
@@ -164,9 +198,10 @@ class DFlashSpecWrapper(nn.Module):
         accepted = offsets[None, :] <= num_accepted[:, None]  # [Bk, B]
         self._inject(aux, positions, accepted & in_capacity, block_tables, draft_pool)
 
-        bonus = target_tokens.gather(1, num_accepted[:, None])  # [Bk, 1]
-        next_block = self._propose(bonus, seq_lens + num_accepted + 1, block_tables, active, draft_pool)
-        return tokens, num_accepted, next_block
+        next_block, next_draft_probs = self._propose(
+            bonus, seq_lens + num_accepted + 1, block_tables, active, draft_pool, sampling
+        )
+        return tokens, num_accepted, next_block, next_draft_probs
 
     def _target_mask(self, positions, kv_lens, key_pos):
         """``[Bk, 1, T, S]`` causal visibility over each row's written positions (a dict per layer type for
@@ -206,8 +241,9 @@ class DFlashSpecWrapper(nn.Module):
         slots = write_slots(block_tables, positions, valid, self.page_size).flatten()  # [Bk * T]
         draft_pool[:, :, slots] = torch.stack([k, v], dim=1).flatten(2, 3)
 
-    def _propose(self, bonus, ctx_lens, block_tables, active, draft_pool):
-        """Draft a block after ``bonus [Bk, 1]`` at position ``ctx_lens``; -> ``[Bk, B]`` bonus + drafts."""
+    def _propose(self, bonus, ctx_lens, block_tables, active, draft_pool, sampling=None):
+        """Draft a block after ``bonus [Bk, 1]`` at position ``ctx_lens``; -> (``[Bk, B]`` bonus + drafts, the
+        drafts' processed distribution ``[Bk, B-1, V]`` or None without ``sampling``)."""
         Bk, B = bonus.shape[0], self.block_size
         block = torch.cat([bonus, bonus.new_full((Bk, B - 1), self.draft.mask_token_id)], dim=1)
         positions = ctx_lens[:, None] + torch.arange(B, device=bonus.device)
@@ -215,12 +251,23 @@ class DFlashSpecWrapper(nn.Module):
         read, _ = read_slots(block_tables, ctx_lens, self.page_size)
         kv = draft_pool[:, :, read]  # [Ld, 2, Bk, S, Hkv, D]
         logits = self.draft(block, positions, kv[:, 0], kv[:, 1], ctx_lens)
-        return torch.cat([bonus, logits.argmax(-1)], dim=1)
+        drafts = logits.argmax(-1)  # [Bk, B-1]
+        probs = None
+        if sampling is not None:
+            p = sampling
+            probs = process_logits(logits, p.temperature, p.top_k, p.top_p).softmax(-1)  # [Bk, B-1, V]
+            drafts = torch.where(p.do_sample[:, None], sample_from(probs, p.u_draft), drafts)
+        return torch.cat([bonus, drafts], dim=1), probs
 
     # ------------------------------------------------------------------ prefill
-    def prefill(self, input_ids: torch.Tensor, block_table: torch.Tensor, cache: PagedKVCache) -> torch.Tensor:
+    def prefill(
+        self, input_ids: torch.Tensor, block_table: torch.Tensor, cache: PagedKVCache,
+        sampling: SamplingInputs | None = None,
+    ):
         """Run one prompt ``[1, L]`` through the target into the pool, inject its context features into the
-        drafter's cache and draft the first block. Returns ``[1, B]``: the first token and its drafts."""
+        drafter's cache and draft the first block. Returns ``([1, B], draft_probs)``: the first token and its
+        drafts, and the drafts' distribution ``[1, B-1, V]`` (None without ``sampling``; there
+        ``sampling.u_bonus`` samples the first token, ``draft_probs``/``u_accept`` are unused)."""
         L = input_ids.shape[1]
         device = input_ids.device
         positions = torch.arange(L, device=device)[None]
@@ -231,8 +278,13 @@ class DFlashSpecWrapper(nn.Module):
             input_ids, positions, ok, lens, block_table, active, cache.target_pool, last_only=True
         )
         self._inject(aux, positions, ok, block_table, cache.draft_pool)
-        bonus = logits[:, -1].argmax(-1, keepdim=True)
-        return self._propose(bonus, lens, block_table, active, cache.draft_pool)
+        last = logits[:, -1]  # [1, V]
+        bonus = last.argmax(-1, keepdim=True)
+        if sampling is not None:
+            p = sampling
+            probs = process_logits(last, p.temperature, p.top_k, p.top_p).softmax(-1)
+            bonus = torch.where(p.do_sample[:, None], sample_from(probs, p.u_bonus)[:, None], bonus)
+        return self._propose(bonus, lens, block_table, active, cache.draft_pool, sampling)
 
     # ------------------------------------------------------------------ host loop
     def kv_cache(self) -> PagedKVCache:
@@ -264,6 +316,11 @@ class DFlashSpecWrapper(nn.Module):
         eos_token_id=None,
         pad_token_id: int | None = None,
         return_dict_in_generate: bool = False,
+        *,
+        streamer=None,
+        tokenizer=None,
+        seed: int | list[int] | None = None,
+        generator: torch.Generator | list[torch.Generator] | None = None,
         **kwargs,
     ):
         """Generate like HF ``generate``.
@@ -271,6 +328,12 @@ class DFlashSpecWrapper(nn.Module):
         ``input_ids`` is a ``[B, L]`` tensor, left-padded with ``attention_mask`` (HF convention), or a list of
         token-id lists. Returns ``[B, L + new]`` (prompt included, finished rows padded with
         ``pad_token_id``), or with ``return_dict_in_generate=True`` a ``DFlashGenerateOutput``.
+
+        HF arguments: ``generation_config``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
+        ``max_length``, ``stop_strings`` (needs ``tokenizer``), ``streamer`` (``put``/``end``, batch size 1).
+        Sampling is lossless (speculative sampling) and reproducible per request: ``seed`` (an int for the whole
+        batch, or one per request) or ``generator`` (one ``torch.Generator``, or one per request) seeds each
+        request's own RNG; with neither, the seeds come from torch's global RNG (``torch.manual_seed``).
         """
         device = next(self.target.parameters()).device
         pad_for_inference = pad_token_id
@@ -294,11 +357,22 @@ class DFlashSpecWrapper(nn.Module):
                 raise ValueError(f"prompt {i} has token ids {bad[:5]} outside the vocabulary [0, {vocab})")
         if len(prompts) > 1 and args.pad_token_id is None:
             raise ValueError("pad_token_id (or an eos_token_id) is required to pad a batch of several prompts")
+        if tokenizer is not None:
+            check_tokenizer(tokenizer, self.target)
+        if args.stop_strings and tokenizer is None:
+            raise ValueError("stop_strings needs the tokenizer: generate(..., stop_strings=..., tokenizer=tok)")
+        if streamer is not None and len(prompts) > 1:
+            raise ValueError(f"a streamer supports batch size 1 only (as in HF), got {len(prompts)} prompts")
+        generators = _request_generators(len(prompts), seed, generator) if args.do_sample else [None] * len(prompts)
         if prefix is None:
             prefix = _left_pad(prompts, args.pad_token_id)
 
-        requests = [_Request(i, p) for i, p in enumerate(prompts)]
-        self._run(requests, args, device)
+        requests = [_Request(i, p, generator=g) for i, (p, g) in enumerate(zip(prompts, generators))]
+        if streamer is not None:
+            streamer.put(prefix.cpu())  # HF pushes the prompt first (TextStreamer(skip_prompt=True) drops it)
+        self._run(requests, dataclasses.replace(args, tokenizer=tokenizer, streamer=streamer), device)
+        if streamer is not None:
+            streamer.end()
 
         width = max(len(r.new) for r in requests)
         pad = args.pad_token_id if args.pad_token_id is not None else 0  # only used when width allows no pad
@@ -307,7 +381,36 @@ class DFlashSpecWrapper(nn.Module):
         if not return_dict_in_generate:
             return sequences
         return DFlashGenerateOutput.build(
-            sequences, [r.stats for r in requests], [r.finish_reason for r in requests], self.block_size - 1
+            sequences, [r.stats for r in requests], [r.finish_reason for r in requests], self.block_size - 1,
+            [len(r.new) for r in requests], prefix.shape[1],
+        )
+
+    def _sampling(self, rows: list[_Request], pad_rows: int, args: GenerationArgs, device, prefill=False):
+        """The step's ``SamplingInputs`` for ``rows`` (+ ``pad_rows`` greedy padding rows); None when greedy.
+        Draws this step's uniforms from each request's generator, in a fixed order."""
+        if not args.do_sample:
+            return None
+        K, n = self.block_size - 1, len(rows) + pad_rows
+        draws = 1 + K if prefill else 1 + 2 * K  # [u_bonus, u_draft] or [u_accept, u_bonus, u_draft]
+        u = torch.zeros(n, draws)
+        for i, r in enumerate(rows):
+            u[i] = torch.rand(draws, generator=r.generator)
+        u_accept, u = (torch.zeros(n, K), u) if prefill else (u[:, :K], u[:, K:])
+        if prefill:
+            draft_probs = torch.zeros(n, K, 0, device=device)
+        else:
+            V = rows[0].draft_probs.shape[-1]
+            draft_probs = torch.cat([r.draft_probs for r in rows] + [rows[0].draft_probs.new_zeros(pad_rows, K, V)])
+        live = torch.arange(n) < len(rows)
+        return SamplingInputs(
+            do_sample=live.to(device),
+            temperature=torch.full((n,), args.temperature, device=device),
+            top_k=torch.full((n,), args.top_k, dtype=torch.long, device=device),
+            top_p=torch.full((n,), args.top_p, device=device),
+            draft_probs=draft_probs,
+            u_accept=u_accept.to(device),
+            u_bonus=u[:, 0].to(device),
+            u_draft=u[:, 1:].contiguous().to(device),
         )
 
     def _run(self, requests: list[_Request], args: GenerationArgs, device) -> None:
@@ -331,9 +434,13 @@ class DFlashSpecWrapper(nn.Module):
             active = torch.arange(bucket, device=device) < len(running)
             tables = cache.block_table([r.index for r in running] + [None] * pad_rows)
             step_inputs = (block, seq_lens, tables, active, cache.target_pool, cache.draft_pool)
-            for t in step_inputs:
+            sampling = self._sampling(running, pad_rows, args, device)
+            for t in step_inputs + (tuple(sampling) if sampling is not None else ()):
                 torch._dynamo.mark_static(t)  # one graph per bucket, never an automatic-dynamic one
-            tokens, num_accepted, next_block = self(*step_inputs)
+            if sampling is None:
+                tokens, num_accepted, next_block, next_probs = self(*step_inputs)
+            else:
+                tokens, num_accepted, next_block, next_probs = self(*step_inputs, sampling)
             tokens, num_accepted = tokens.tolist(), num_accepted.tolist()  # the step's one host read
             still = []
             for i, r in enumerate(running):
@@ -341,6 +448,7 @@ class DFlashSpecWrapper(nn.Module):
                 r.stats.record(B - 1, a)
                 r.seq_len += a + 1
                 r.block = next_block[i : i + 1]
+                r.draft_probs = None if next_probs is None else next_probs[i : i + 1]
                 for t in tokens[i][: a + 1]:
                     if self._emit(r, t, args):
                         break
@@ -357,7 +465,8 @@ class DFlashSpecWrapper(nn.Module):
             return False
         cache.ensure(r.index, len(r.prompt))
         ids = torch.tensor([r.prompt], device=device)
-        r.block = self.prefill(ids, cache.block_table([r.index]), cache)
+        sampling = self._sampling([r], 0, args, device, prefill=True)
+        r.block, r.draft_probs = self.prefill(ids, cache.block_table([r.index]), cache, sampling)
         r.seq_len = len(r.prompt)
         if self._emit(r, int(r.block[0, 0]), args):
             cache.free(r.index)
@@ -365,9 +474,14 @@ class DFlashSpecWrapper(nn.Module):
         return True
 
     def _emit(self, r: _Request, token: int, args: GenerationArgs) -> bool:
-        """Append ``token`` to ``r``; True when ``r`` is finished."""
+        """Append ``token`` to ``r`` and stream it; True when ``r`` is finished: an eos token or a stop string
+        (``"stop"``), ``max_new_tokens`` or capacity (``"length"``)."""
         r.new.append(token)
+        if args.streamer is not None:
+            args.streamer.put(torch.tensor([token]))
         if token in args.eos_token_ids:
+            r.finish_reason = "stop"
+        elif args.stop_strings and _has_stop_string(args.tokenizer.decode(r.new), args.stop_strings):
             r.finish_reason = "stop"
         elif len(r.new) >= args.max_new_tokens or len(r.prompt) + len(r.new) >= self.max_seq_len:
             r.finish_reason = "length"
@@ -402,6 +516,40 @@ class DFlashSpecWrapper(nn.Module):
             raise ValueError("attention_mask must be left-padded (HF convention: tokenizer.padding_side='left')")
         ids_cpu = ids.cpu()
         return [ids_cpu[i][mask[i]].tolist() for i in range(ids.shape[0])], ids
+
+
+def _has_stop_string(text: str, stop_strings: tuple[str, ...]) -> bool:
+    return any(s in text for s in stop_strings)
+
+
+def check_tokenizer(tokenizer, target: nn.Module) -> None:
+    """A tokenizer whose vocabulary is larger than the target's cannot be used with it: ``ValueError``."""
+    vocab = target.config.get_text_config().vocab_size
+    if len(tokenizer) > vocab:
+        raise ValueError(
+            f"the tokenizer has {len(tokenizer)} tokens but the target's vocabulary has {vocab}: "
+            f"they do not belong together"
+        )
+
+
+def _request_generators(n: int, seed, generator) -> list[torch.Generator]:
+    """One CPU ``torch.Generator`` per request, from ``seed`` / ``generator`` (or torch's global RNG)."""
+    if seed is not None and generator is not None:
+        raise ValueError("give seed or generator, not both")
+    if isinstance(generator, (list, tuple)):
+        if len(generator) != n:
+            raise ValueError(f"{len(generator)} generators for {n} prompts")
+        return list(generator)
+    if isinstance(seed, (list, tuple)):
+        if len(seed) != n:
+            raise ValueError(f"{len(seed)} seeds for {n} prompts")
+        seeds = [int(x) for x in seed]
+    else:
+        source = generator if generator is not None else (
+            torch.Generator().manual_seed(int(seed)) if seed is not None else None
+        )
+        seeds = torch.randint(0, 2**62, (n,), generator=source).tolist()
+    return [torch.Generator().manual_seed(x) for x in seeds]
 
 
 def _left_pad(prompts: list[list[int]], pad: int | None) -> torch.Tensor:

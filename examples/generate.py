@@ -1,19 +1,37 @@
-"""Generate with DFlash speculative decoding.
+"""Generate with DFlash speculative decoding (greedy or lossless speculative sampling).
 
     python examples/generate.py --target TARGET_DIR --draft DRAFT_DIR --prompt "def fib(n):"
+    python examples/generate.py --prompts-file prompts.jsonl --temperature 0.8 --top-p 0.95 --seed 1 --batch-size 4
+    python examples/generate.py --prompt "def fib(n):" --stream --backend dflash
 
-Without --target/--draft it builds a tiny randomly initialised Qwen3 target and drafter (no download) and
-says so: the output is then meaningless tokens, but the whole pipeline runs.
+Without --target/--draft it uses the shipped default pair (dflash_compile/assets/default_pair) when it exists;
+until then a tiny randomly initialised Qwen3 target and drafter (no download, no tokenizer: the prompt's UTF-8
+bytes are the token ids and token ids are printed), and says so: the output is then meaningless tokens, but
+the whole pipeline runs. A prompts file has one JSON object per line with a "prompt" field (or a JSON string).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import time
 
 import torch
 
 from dflash_compile import DFlashDraftModel, DFlashSpecWrapper
+from dflash_compile.generation import DFlashStats
+from dflash_compile.spec_wrapper import check_tokenizer
+
+BACKENDS = ("eager", "dflash", "dflash_neuron")
+DEFAULT_PAIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dflash_compile", "assets",
+                            "default_pair")
+
+
+def check_backend(name: str) -> str:
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}: choose one of {', '.join(BACKENDS)}")
+    return name
 
 
 def _random_pair(block_size: int):
@@ -25,6 +43,7 @@ def _random_pair(block_size: int):
         num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
     )
     target = Qwen3ForCausalLM(config).eval()
+    target.generation_config.eos_token_id = target.generation_config.pad_token_id = None
     draft = DFlashDraftModel.from_target(target, num_layers=2, block_size=block_size, seed=0)
     return target, draft, None
 
@@ -34,40 +53,144 @@ def _load_pair(target_dir: str, draft_dir: str):
 
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     draft = DFlashDraftModel.from_pretrained(draft_dir, dtype=torch.float32)
-    return target, draft, AutoTokenizer.from_pretrained(target_dir)
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    check_tokenizer(tok, target)
+    return target, draft, tok
+
+
+def _default_pair_dirs():
+    """``(target_dir, draft_dir)`` of the shipped default pair, or None while it is not there."""
+    try:
+        from dflash_compile.assets import default_pair_paths
+    except ImportError:
+        dirs = tuple(os.path.join(DEFAULT_PAIR, x) for x in ("target", "draft"))
+        return dirs if all(os.path.exists(os.path.join(d, "config.json")) for d in dirs) else None
+    try:
+        return tuple(str(d) for d in default_pair_paths())
+    except FileNotFoundError:
+        return None
+
+
+def _read_prompts(args) -> list[str]:
+    if not args.prompts_file:
+        return [args.prompt]
+    prompts = []
+    with open(args.prompts_file) as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                item = json.loads(line)
+                if isinstance(item, dict):
+                    if "prompt" not in item:
+                        raise ValueError(f"{args.prompts_file}:{n}: no 'prompt' field")
+                    item = item["prompt"]
+                prompts.append(str(item))
+    if not prompts:
+        raise ValueError(f"{args.prompts_file} has no prompts")
+    return prompts
+
+
+class _IdStreamer:
+    """Streams token ids (the random pair has no tokenizer)."""
+
+    def __init__(self):
+        self.prompt = True
+
+    def put(self, value):
+        if self.prompt:
+            self.prompt = False
+            return
+        print(" ".join(map(str, value.flatten().tolist())), end=" ", flush=True)
+
+    def end(self):
+        print(flush=True)
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", help="HF causal LM directory (with its tokenizer)")
     p.add_argument("--draft", help="DFlash drafter directory (config.json + safetensors)")
-    p.add_argument("--prompt", default="def fib(n):")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", default="def fib(n):")
+    src.add_argument("--prompts-file", help="JSONL: one {\"prompt\": ...} per line")
     p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); > 0: sampling")
+    p.add_argument("--top-k", type=int, default=0, help="0: off")
+    p.add_argument("--top-p", type=float, default=1.0, help="1: off")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (reproducible output)")
+    p.add_argument("--backend", default="eager", help=f"one of {', '.join(BACKENDS)}")
+    p.add_argument("--stream", action="store_true", help="print tokens as they are accepted (one prompt at a time)")
+    p.add_argument("--batch-size", type=int, default=8, help="requests decoded together")
     p.add_argument("--block-size", type=int, default=8, help="block size of the random demo drafter")
     args = p.parse_args(argv)
     if bool(args.target) != bool(args.draft):
         p.error("--target and --draft go together")
+    try:
+        check_backend(args.backend)
+    except ValueError as e:
+        p.error(str(e))
+    prompts = _read_prompts(args)
+    for i, text in enumerate(prompts):
+        if not text:
+            p.error(f"prompt {i} is empty")
 
+    if not args.target and _default_pair_dirs():
+        args.target, args.draft = _default_pair_dirs()
+        print(f"using the shipped default pair ({DEFAULT_PAIR})")
     if args.target:
         target, draft, tok = _load_pair(args.target, args.draft)
-        input_ids = tok(args.prompt, return_tensors="pt").input_ids
+        inputs = [tok(x).input_ids for x in prompts]
     else:
-        print("NOTE: no --target/--draft given: using a tiny RANDOMLY INITIALISED target and drafter "
-              "(meaningless tokens, low acceptance); the prompt text is ignored.")
+        print("NOTE: no --target/--draft given and no default pair shipped yet: using a tiny RANDOMLY INITIALISED "
+              "random pair (target + drafter; meaningless tokens, low acceptance; no tokenizer: prompt bytes are "
+              "the token ids, token ids are printed).")
         target, draft, tok = _random_pair(args.block_size)
-        input_ids = torch.tensor([[1, 2, 3, 4, 5]])
+        inputs = [list(x.encode("utf-8")) for x in prompts]
 
-    spec = DFlashSpecWrapper(target, draft)
+    sampling = dict(do_sample=args.temperature > 0)
+    if args.temperature > 0:
+        sampling.update(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    spec = DFlashSpecWrapper(target, draft, max_batch_size=max(1, args.batch_size))
+    if args.backend != "eager":
+        spec.compile(backend=args.backend, fullgraph=True)
+    pad = target.generation_config.pad_token_id
+    if pad is None:
+        pad = target.generation_config.eos_token_id if isinstance(target.generation_config.eos_token_id, int) else 0
+
     start = time.perf_counter()
-    out = spec.generate(input_ids, max_new_tokens=args.max_new_tokens, return_dict_in_generate=True)
+    if args.stream:  # HF streamers take batch size 1: one prompt at a time
+        outs = []
+        for ids in inputs:
+            if tok is not None:
+                from transformers import TextStreamer
+
+                streamer = TextStreamer(tok, skip_prompt=False)
+            else:
+                streamer = _IdStreamer()
+            outs.append(spec.generate([ids], max_new_tokens=args.max_new_tokens, pad_token_id=pad, streamer=streamer,
+                                      return_dict_in_generate=True, **sampling))
+    else:
+        outs = [spec.generate(inputs, max_new_tokens=args.max_new_tokens, pad_token_id=pad,
+                              return_dict_in_generate=True, **sampling)]
     elapsed = time.perf_counter() - start
-    new = out.sequences[0, input_ids.shape[1]:]
-    print(tok.decode(out.sequences[0]) if tok else f"tokens: {out.sequences[0].tolist()}")
-    print(f"\n{len(new)} new tokens in {elapsed:.2f}s ({len(new) / elapsed:.1f} tokens/s), "
-          f"finish reason: {out.finish_reasons[0]}")
-    print(f"acceptance length {out.acceptance_length:.2f} over {out.num_drafts} drafts "
+
+    rows = [(o, i) for o in outs for i in range(o.sequences.shape[0])]
+    for k, (o, i) in enumerate(rows):
+        if args.stream:
+            print(f"--- [{k}] finish reason: {o.finish_reasons[i]}")
+            continue
+        seq = o.sequences[i].tolist()
+        seq = seq[: len(seq) - (o.sequences.shape[1] - o.prompt_width - o.num_new_tokens[i])]  # drop end padding
+        text = tok.decode(seq, skip_special_tokens=True) if tok else f"tokens: {seq}"
+        print(f"--- [{k}] finish reason: {o.finish_reasons[i]}\n{text}")
+    total = DFlashStats.total([o.per_request[i] for o, i in rows], spec.block_size - 1)
+    generated = sum(o.num_new_tokens[i] for o, i in rows)
+    mode = (f"sampling T={args.temperature} top_k={args.top_k} top_p={args.top_p} seed={args.seed}"
+            if args.temperature > 0 else "greedy")
+    print(f"\n{generated} new tokens in {elapsed:.2f}s ({generated / elapsed:.1f} tokens/s), "
+          f"backend {args.backend}, {mode}")
+    print(f"acceptance length {total.acceptance_length:.2f} over {total.num_drafts} drafts "
           f"(block size {spec.block_size})")
-    print("accepted per draft position:", out.num_accepted_tokens_per_pos)
+    print("accepted per draft position:", total.num_accepted_tokens_per_pos)
 
 
 if __name__ == "__main__":
