@@ -251,6 +251,29 @@ class DFlashDraftModel(nn.Module):
             h = layer(h, cos, sin, ctx_k[i], ctx_v[i], masks[i])
         return self.lm_head(self.norm(h[:, 1:]))
 
+    def forward_blocks(
+        self,
+        block_ids: torch.Tensor,
+        block_positions: torch.Tensor,
+        ctx_k: torch.Tensor,
+        ctx_v: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """Training form of ``forward``: several blocks per row in one pass, under an explicit mask.
+
+        ``block_ids``/``block_positions [B, Q]`` hold the concatenated blocks; ``ctx_k``/``ctx_v``
+        ``[L, B, S, Hkv, D]`` from ``context_kv``; ``mask [B, 1, Q, S + Q]`` bool (True = visible), the same
+        for every layer (full-attention drafters only). Returns logits ``[B, Q, V]`` at every block position
+        (a block's first position is its bonus token; the caller drops it).
+        """
+        if "sliding_attention" in self.dflash_config.layer_types:
+            raise NotImplementedError("forward_blocks supports full-attention drafters only")
+        h = self.embed_tokens(block_ids)
+        cos, sin = self.rotary_emb(h, block_positions)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, ctx_k[i], ctx_v[i], mask)
+        return self.lm_head(self.norm(h))
+
     # ------------------------------------------------------------------ construction / IO
     @classmethod
     def from_target(

@@ -1,0 +1,47 @@
+"""The shipped default pair loads offline and speculates well on code (a cheap check, not the benchmark)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from dflash_compile import DFlashDraftModel, DFlashSpecWrapper
+from dflash_compile.assets import default_pair_paths
+
+PROMPTS = [
+    "def fibonacci(n):\n",
+    "import os\nimport sys\n\n\ndef main():\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
+]
+MAX_NEW = 64
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target_dir, draft_dir = default_pair_paths()
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
+    draft = DFlashDraftModel.from_pretrained(draft_dir, dtype=torch.float32)
+    return tok, target, draft
+
+
+def test_default_pair_loads_fp32(pair):
+    tok, target, draft = pair
+    assert next(target.parameters()).dtype == torch.float32 and next(draft.parameters()).dtype == torch.float32
+    assert tok.eos_token_id is not None and draft.config.vocab_size == target.config.vocab_size
+    assert sum(p.numel() for p in target.parameters()) < 50e6
+
+
+def test_default_pair_accepts_more_than_two_tokens_per_step(pair):
+    tok, target, draft = pair
+    spec = DFlashSpecWrapper(target, draft, max_batch_size=1)
+    taus = []
+    for text in PROMPTS:
+        ids = torch.tensor([tok(text)["input_ids"]])
+        out = spec.generate(ids, max_new_tokens=MAX_NEW, return_dict_in_generate=True)
+        ref = target.generate(ids, do_sample=False, max_new_tokens=MAX_NEW)
+        n = min(out.sequences.shape[1], ref.shape[1])
+        assert torch.equal(out.sequences[:, :n], ref[:, :n]), text
+        taus.append(out.acceptance_length)
+    assert min(taus) > 2.0, taus
