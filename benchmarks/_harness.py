@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -62,3 +63,22 @@ def report(name: str, args, rows: list[dict], title: str, extra: tuple[str, ...]
     (out / f"{name}.json").write_text(json.dumps(results, indent=2) + "\n")
     (out / f"{name}.md").write_text(table)
     print(table)
+
+
+def parser(doc: str) -> argparse.ArgumentParser:
+    """The arguments every op benchmark takes; each adds its own shape arguments."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--hkv", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--block", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--out", default="benchmarks/results")
+    return p
+
+
+def run(name: str, bench, args, title: str, extra: tuple[str, ...] = ()) -> None:
+    """``bench(device, args) -> rows`` on every device here, then :func:`report`."""
+    torch.set_num_threads(args.threads)
+    report(name, args, [row for device in devices() for row in bench(device, args)], title, extra)

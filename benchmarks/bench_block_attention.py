@@ -9,11 +9,10 @@ after one warm-up call (which, for Inductor, is the compile). fp32 on CPU, bf16 
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import torch
-from _harness import devices, median_ms, report
+from _harness import median_ms, parser, run
 
 from dflash_compile.lowerings.ops import _block_attention_reference
 
@@ -66,23 +65,13 @@ def _title(args):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16])
+    p = parser(__doc__)
     p.add_argument("--hq", type=int, default=8)
-    p.add_argument("--hkv", type=int, default=2)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--block", type=int, default=16)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--min-ctx", type=int, default=256)
     p.add_argument("--max-ctx", type=int, default=1024)
-    p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--threads", type=int, default=torch.get_num_threads())
-    p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
-
-    rows = [row for device in devices() for row in bench(device, args)]
-    report("bench_block_attention", args, rows, _title(args), extra=())
+    run("bench_block_attention", bench, args, _title(args), extra=())
 
 
 if __name__ == "__main__":

@@ -10,11 +10,10 @@ bf16 on CUDA.
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import torch
-from _harness import devices, median_ms, report
+from _harness import median_ms, parser, run
 
 from dflash_compile.lowerings import ops
 
@@ -66,21 +65,11 @@ def _title(args):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16])
+    p = parser(__doc__)
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hkv", type=int, default=2)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--block", type=int, default=16)
     p.add_argument("--max-ctx", type=int, default=1024)
-    p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--threads", type=int, default=torch.get_num_threads())
-    p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
-
-    rows = [row for device in devices() for row in bench(device, args)]
-    report("bench_paged_kv_write", args, rows, _title(args), extra=("rows",))
+    run("bench_paged_kv_write", bench, args, _title(args), extra=("rows",))
 
 
 if __name__ == "__main__":
