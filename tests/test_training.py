@@ -14,7 +14,6 @@ from dflash_compile.training import (
     TrainConfig,
     block_inputs,
     block_mask,
-    dflash_loss,
     generate_continuations,
     latest_checkpoint,
     position_weights,

@@ -1,5 +1,4 @@
 import pytest
-import torch
 
 from dflash_compile import DFlashDraftModel, DFlashSpecWrapper
 from tiny_models import VOCAB, tiny_target

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 
-import torch
 import triton
 import triton.language as tl
 from torch import Tensor
