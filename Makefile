@@ -17,6 +17,7 @@ test: $(VENV)/.installed
 	$(PY) -m pytest -q
 
 bench: $(VENV)/.installed
+	$(PY) benchmarks/bench_humaneval.py
 	$(PY) benchmarks/bench_generate.py
 
 clean:

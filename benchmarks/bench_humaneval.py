@@ -1,34 +1,68 @@
-"""HumanEval prompts on the shipped default pair: HF greedy, HF prompt lookup, HF assisted, DFlash eager/compiled.
+"""HumanEval prompts: our DFlash (eager, compiled) against every peer a user would pick, greedy.
 
-    python benchmarks/bench_humaneval.py [--num-prompts 8] [--max-new 128] [--repeats 3] \\
+    python benchmarks/bench_humaneval.py [--target DIR --draft DIR] [--num-prompts 8] [--max-new 128] \\
+        [--repeats 3] [--methods hf_greedy,dflash_compiled,...] [--batch-sizes 1,8] \\
         [--assistant build/assistant] [--out benchmarks/results]
 
-Greedy everywhere, one run on one machine. Batch 1 runs the first ``--num-prompts`` HumanEval prompts one
-at a time (tokens/s = all new tokens / all time); batch 8 runs them as one left-padded batch. HF prompt
-lookup and assisted generation support batch 1 only. Each figure is the median of ``--repeats`` timed runs
-after one warm-up (which also compiles the ``dflash`` step). The assistant for HF assisted generation is a
-smaller model on the target's tokenizer, trained with
+Methods (``--methods``, default all):
 
-    python examples/train_target.py --out build/assistant --tokenizer dflash_compile/assets/default_pair/target \\
-        --hidden 96 --intermediate 256 --layers 2 --heads 2 --kv-heads 1 --steps 600 --seed 0
+- ``hf_greedy``: ``target.generate`` (dynamic cache, eager).
+- ``hf_compiled``: HF's own compile path, ``generate(cache_implementation="static", max_cache_len=N,
+  compile_config=CompileConfig(fullgraph=True))`` with ``_compile_all_devices`` set (HF otherwise compiles
+  only on cuda/xpu/neuron/tpu). ``N`` is one fixed length for every call (the longest prompt plus
+  ``--max-new``, rounded up to 128) so the decode graph is not recompiled per prompt; the report counts the
+  graphs compiled during the warm-up (per call) and during the timed runs (should be 0).
+- ``hf_prompt_lookup``: prompt lookup decoding, ``prompt_lookup_num_tokens=--lookup-tokens``.
+- ``hf_dflash``: transformers' native DFlash (``assistant_model=A, speculation_type="dflash"``) with ``A``
+  our drafter rebuilt as ``MuseGlimmerAssistantModel`` (``hf_dflash_assistant``).
+- ``hf_assisted``: classic assisted generation with a small assistant on the target's tokenizer (only when
+  ``--assistant`` holds one), trained with
+
+      python examples/train_target.py --out build/assistant --tokenizer dflash_compile/assets/default_pair/target \\
+          --hidden 96 --intermediate 256 --layers 2 --heads 2 --kv-heads 1 --steps 600 --seed 0
+
+- ``dflash_eager`` / ``dflash_compiled``: ``DFlashSpecWrapper``, eager and ``compile(backend="dflash",
+  fullgraph=True)``.
+
+Batch size ``b`` runs the first ``--num-prompts`` HumanEval prompts in left-padded groups of ``b`` (the last
+group may be smaller); tokens/s = all new tokens (up to and including eos) / all time. HF's speculative
+methods support batch 1 only: at larger batches they are tried once and the error HF raises is reported.
+Every timed figure is the median of ``--repeats`` passes over all groups, after one full untimed warm-up
+pass of that method (compiles included). Every method's output is checked token for token against
+``target.generate`` greedy at batch 1. Acceptance length = 1 + accepted drafts / draft steps (ours: from the
+output object; HF's speculative methods: counted on the warm-up pass by wrapping the candidate generator,
+same definition, drafts compared with the target's argmax before HF trims them at eos / max length).
 
 Writes ``bench_humaneval.{json,md,png}`` under ``--out``.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import platform
-import statistics
-import time
+import os
 from pathlib import Path
 
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(__file__).resolve().parents[1] / "build" / "inductor-cache"))
 
-from dflash_compile import DFlashDraftModel, DFlashSpecWrapper
-from dflash_compile.assets import default_pair_paths
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+from unittest import mock  # noqa: E402
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from torch._dynamo.utils import counters  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer, CompileConfig  # noqa: E402
+from transformers.generation.utils import GenerationMixin  # noqa: E402
+
+from dflash_compile import DFlashDraftModel, DFlashSpecWrapper  # noqa: E402
+from dflash_compile.assets import default_pair_paths  # noqa: E402
+
+METHODS = ("hf_greedy", "hf_compiled", "hf_prompt_lookup", "hf_dflash", "hf_assisted", "dflash_eager",
+           "dflash_compiled")
+BS1_ONLY = ("hf_prompt_lookup", "hf_dflash", "hf_assisted")  # HF's assisted decoding loop is batch-1 only
 
 
 def humaneval_prompts(n: int) -> list[str]:
@@ -38,126 +72,419 @@ def humaneval_prompts(n: int) -> list[str]:
     return [problems[k]["prompt"] for k in sorted(problems, key=lambda k: int(k.split("/")[1]))[:n]]
 
 
-def _new_tokens(seqs: torch.Tensor, prompt_width: int, eos: int) -> int:
-    n = 0
+def _rows(seqs: torch.Tensor, prompt_width: int, eos: int) -> list[list[int]]:
+    """The new tokens of every row, up to and including the first eos."""
+    out = []
     for row in seqs[:, prompt_width:].tolist():
-        n += next((i + 1 for i, t in enumerate(row) if t == eos), len(row))
-    return n
+        end = next((i + 1 for i, t in enumerate(row) if t == eos), len(row))
+        out.append(row[:end])
+    return out
 
 
-def _timed(fn, repeats: int):
-    fn()  # warm-up (and compile)
-    times, out = [], None
+# ---------------------------------------------------------------------------------------------- HF DFlash
+def hf_dflash_assistant(draft: DFlashDraftModel, target) -> torch.nn.Module:
+    """Our drafter rebuilt as transformers' ``MuseGlimmerAssistantModel`` (the same math), for
+    ``target.generate(..., assistant_model=A, speculation_type="dflash")``.
+
+    Weights: ``fc`` -> ``encoder.fc``, ``hidden_norm`` -> ``encoder.output_norm_enc``; ``norm`` and
+    ``layers.N.*`` keep their names. Config: the drafter's Qwen3 architecture fields, its ``layer_types``
+    (HF defaults to all ``sliding_attention``), ``block_size`` / ``mask_token_id`` / ``target_layer_ids`` from
+    ``dflash_config``, token ids from the target. Both models borrow the target's embeddings and LM head.
+    """
+    from transformers.models.muse_glimmer_assistant.configuration_muse_glimmer_assistant import (
+        MuseGlimmerAssistantConfig,
+    )
+    from transformers.models.muse_glimmer_assistant.modeling_muse_glimmer_assistant import (
+        MuseGlimmerAssistantModel,
+        MuseGlimmerAssistantRotaryEmbedding,
+    )
+
+    c, d = draft.config, draft.dflash_config
+    tc = target.config.get_text_config()
+    config = MuseGlimmerAssistantConfig(
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_hidden_layers,
+        num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads,
+        head_dim=c.head_dim,
+        rms_norm_eps=c.rms_norm_eps,
+        rope_parameters=dict(c.rope_parameters),
+        max_position_embeddings=c.max_position_embeddings,
+        hidden_act=c.hidden_act,
+        attention_dropout=c.attention_dropout,
+        layer_types=list(d.layer_types),
+        sliding_window=d.sliding_window or c.max_position_embeddings,  # unused unless a layer slides
+        bos_token_id=tc.bos_token_id,
+        eos_token_id=tc.eos_token_id,
+        pad_token_id=tc.pad_token_id,
+        block_size=d.block_size,
+        mask_token_id=d.mask_token_id,
+        target_layer_ids=list(d.target_layer_ids),
+    )
+    config._attn_implementation = "sdpa"
+    ref = next(draft.parameters())
+    with torch.device("meta"):
+        assistant = MuseGlimmerAssistantModel(config)
+    assistant = assistant.to_empty(device=ref.device)
+    # inv_freq is a non-persistent buffer: rebuild it (to_empty leaves it uninitialised)
+    assistant.rotary_emb = MuseGlimmerAssistantRotaryEmbedding(config).to(ref.device)
+    rename = {"fc.weight": "encoder.fc.weight", "hidden_norm.weight": "encoder.output_norm_enc.weight"}
+    state = {rename.get(k, k): v for k, v in draft.state_dict().items()}
+    missing, unexpected = assistant.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"drafter -> MuseGlimmerAssistantModel: missing {missing}, unexpected {unexpected}")
+    return assistant.to(ref.dtype).eval()
+
+
+class HFSpecCounter:
+    """Counts draft steps and accepted drafts of HF's assisted-decoding loop (any candidate generator).
+
+    Wraps the candidate generator HF builds: ``get_candidates`` remembers the drafts, and
+    ``update_candidate_strategy`` (called after verification with the target's logits) counts how many lead
+    drafts equal the target's argmax — before HF trims the accepted run at eos / max length, as ours counts.
+    """
+
+    def __init__(self):
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = self.target_forwards = 0
+        self.per_pos: list[int] = []
+        self.accepted_per_step: list[int] = []
+
+    @contextlib.contextmanager
+    def active(self):
+        orig = GenerationMixin._get_candidate_generator
+
+        def build(model, *args, **kwargs):
+            gen = orig(model, *args, **kwargs)
+            get, update, pending = gen.get_candidates, gen.update_candidate_strategy, {}
+
+            def get_candidates(input_ids, *a, **k):
+                cand, logits = get(input_ids, *a, **k)
+                pending["drafts"] = cand[:, input_ids.shape[1]:]
+                return cand, logits
+
+            def update_candidate_strategy(input_ids, scores, num_matches):
+                self.target_forwards += 1
+                drafts = pending.pop("drafts", None)
+                if drafts is not None and drafts.shape[1] > 0:
+                    n = drafts.shape[1]
+                    agree = (drafts.to(scores.device) == scores[:, :n].argmax(-1))[0].long()
+                    accepted = int(agree.cumprod(0).sum())
+                    self.num_drafts += 1
+                    self.num_draft_tokens += n
+                    self.num_accepted_tokens += accepted
+                    self.accepted_per_step.append(accepted)
+                    self.per_pos += [0] * max(0, n - len(self.per_pos))
+                    for i in range(accepted):
+                        self.per_pos[i] += 1
+                return update(input_ids, scores, num_matches)
+
+            gen.get_candidates, gen.update_candidate_strategy = get_candidates, update_candidate_strategy
+            return gen
+
+        with mock.patch.object(GenerationMixin, "_get_candidate_generator", build):
+            yield self
+
+    def stats(self) -> dict:
+        d = max(1, self.num_drafts)
+        return {
+            "acceptance_length": 1 + self.num_accepted_tokens / d,
+            "num_drafts": self.num_drafts,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "target_forwards": self.target_forwards,
+            "per_position_acceptance": [a / d for a in self.per_pos],
+        }
+
+
+# ---------------------------------------------------------------------------------------------- profiling
+def _median_ms(fn, repeats: int) -> float:
+    times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        out = fn()
+        fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times), out
+    return statistics.median(times) * 1e3
+
+
+def phase_profile(spec: DFlashSpecWrapper, encs: list[dict], args, repeats: int = 50) -> dict:
+    """Where one compiled step's time goes, for ``spec`` (compiled) on the first prompt, batch 1.
+
+    - ``step_ms``: one call of the compiled step (dynamo guards + the Inductor graph), median of ``repeats``.
+    - ``verify_ms`` / ``accept_ms`` / ``inject_ms`` / ``propose_ms``: each phase of ``forward`` compiled on its
+      own with the same backend and timed on the same inputs (their sum exceeds ``step_ms`` a little: each is a
+      separate graph with its own call overhead, and Inductor cannot fuse across them).
+    - ``graph_ms``, ``mm_ms``: under torch.profiler, a generate() of the prompts: the Inductor graph's own time
+      per step (``## Call CompiledFxGraph`` ranges) and the matmuls inside it (``aten::mm``/``bmm``).
+    - ``host_ms``: per step, generate()'s wall time minus the compiled steps' (``Torch-Compiled Region``):
+      the host loop, prefill included, amortised over the steps.
+    """
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from bench_step import step_inputs
+
+    prompt_len = encs[0]["input_ids"].shape[1]
+    inputs = step_inputs(spec, 1, prompt_len)  # a prefilled request at its first step, as generate() builds it
+    block, seq_lens, tables, active, pools, draft_pool = inputs
+    spec(*inputs)  # compiled already by the benchmark's warm-up for this bucket (else: compiles here)
+    out = {"context_pages": tables.shape[1], "step_ms": _median_ms(lambda: spec(*inputs), repeats)}
+
+    def verify(block, seq_lens, tables, active, pools):
+        positions, ok = spec._block_positions(block, seq_lens, active)
+        logits, aux = spec._verify(block, positions, ok, seq_lens, tables, active, pools)
+        return logits, aux, positions, ok
+
+    def inject(aux, positions, valid, tables, draft_pool):
+        spec._inject(aux, positions, valid, tables, draft_pool)
+
+    compiled = {name: torch.compile(fn, backend="dflash", fullgraph=True, dynamic=False) for name, fn in
+                {"verify": verify, "accept": spec._accept, "inject": inject, "propose": spec._propose}.items()}
+    with torch.no_grad():
+        logits, aux, positions, ok = compiled["verify"](block, seq_lens, tables, active, pools)
+        tokens, num_accepted, bonus = compiled["accept"](block, logits, active)
+        valid = (torch.arange(block.shape[1]) <= num_accepted[:, None]) & ok
+        phase_args = {
+            "verify": (block, seq_lens, tables, active, pools),
+            "accept": (block, logits, active),
+            "inject": (aux, positions, valid, tables, draft_pool),
+            "propose": (bonus, seq_lens + num_accepted + 1, tables, active, draft_pool),
+        }
+        for name, fn in compiled.items():
+            fn(*phase_args[name])  # compile
+            out[f"{name}_ms"] = _median_ms(lambda: fn(*phase_args[name]), repeats)
+
+    def generate_all():
+        n = 0
+        for enc in encs:
+            o = spec.generate(enc["input_ids"], attention_mask=enc["attention_mask"], max_new_tokens=args.max_new,
+                              eos_token_id=spec.target.generation_config.eos_token_id, return_dict_in_generate=True)
+            n += o.num_drafts
+        return n
+
+    generate_all()  # warm (every context bucket these prompts reach)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with record_function("dflash::generate"):
+            steps = generate_all()
+    totals: dict[str, float] = {}
+    for e in prof.key_averages():
+        key = e.key
+        if key.startswith("## Call CompiledFxGraph"):
+            key = "graph"
+        elif key.startswith("Torch-Compiled Region"):
+            key = "compiled_region"
+        totals[key] = totals.get(key, 0.0) + e.cpu_time_total / 1e3  # ms
+    out["steps"] = steps
+    out["generate_ms_per_step"] = totals["dflash::generate"] / steps
+    out["compiled_region_ms"] = totals.get("compiled_region", 0.0) / steps
+    out["graph_ms"] = totals.get("graph", 0.0) / steps
+    out["mm_ms"] = (totals.get("aten::mm", 0.0) + totals.get("aten::bmm", 0.0)) / steps
+    out["host_ms"] = out["generate_ms_per_step"] - out["compiled_region_ms"]
+    out["note"] = "profiled figures include the profiler's own overhead; *_ms medians do not"
+    print("phases", {k: (round(v, 3) if isinstance(v, float) else v) for k, v in out.items()}, flush=True)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- run
+def _graphs() -> int:
+    return counters["stats"]["unique_graphs"]
 
 
 @torch.no_grad()
 def run(args) -> dict:
     torch.manual_seed(0)
-    target_dir, draft_dir = default_pair_paths()
+    if (args.target is None) != (args.draft is None):
+        raise SystemExit("give both --target and --draft, or neither (the shipped default pair)")
+    target_dir, draft_dir = (args.target, args.draft) if args.target else default_pair_paths()
+    methods = METHODS if args.methods == "all" else tuple(m.strip() for m in args.methods.split(",") if m.strip())
+    unknown = sorted(set(methods) - set(METHODS))
+    if unknown:
+        raise SystemExit(f"unknown methods {unknown}; choose from {list(METHODS)}")
+    batch_sizes = sorted({int(b) for b in args.batch_sizes.split(",")})
+
     tok = AutoTokenizer.from_pretrained(target_dir)
     tok.padding_side = "left"
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
     draft = DFlashDraftModel.from_pretrained(draft_dir, dtype=torch.float32)
     eos, pad = tok.eos_token_id, tok.pad_token_id
-    assistant = None
-    if args.assistant and Path(args.assistant, "config.json").is_file():
-        assistant = AutoModelForCausalLM.from_pretrained(args.assistant, dtype=torch.float32,
-                                                         attn_implementation="sdpa").eval()
     texts = humaneval_prompts(args.num_prompts)
     gen = dict(do_sample=False, max_new_tokens=args.max_new, eos_token_id=eos, pad_token_id=pad)
+    max_prompt = max(len(tok(t)["input_ids"]) for t in texts)
+    cache_len = -(-(max_prompt + args.max_new) // 128) * 128
 
-    eager = DFlashSpecWrapper(target, draft, max_batch_size=8)
-    compiled = DFlashSpecWrapper(target, draft, max_batch_size=8)
-    compiled.compile(backend="dflash", fullgraph=True)
+    # The reference every method must reproduce: target.generate greedy, one prompt at a time.
+    reference = []
+    for t in texts:
+        enc = tok([t], return_tensors="pt")
+        reference += _rows(target.generate(**enc, **gen), enc["input_ids"].shape[1], eos)
+
+    cc = CompileConfig(fullgraph=True)
+    cc._compile_all_devices = True  # else HF's generate compiles only on cuda/xpu/neuron/tpu
+    skip: dict[str, str] = {}
+    assistant = None
+    if "hf_assisted" in methods:
+        if args.assistant and Path(args.assistant, "config.json").is_file():
+            assistant = AutoModelForCausalLM.from_pretrained(args.assistant, dtype=torch.float32,
+                                                             attn_implementation="sdpa").eval()
+        else:
+            skip["hf_assisted"] = f"no assistant model at {args.assistant}"
+    hf_draft = hf_dflash_assistant(draft, target) if "hf_dflash" in methods else None
+    max_bs = max(batch_sizes)
+    specs = {}
+    if "dflash_eager" in methods:
+        specs["dflash_eager"] = DFlashSpecWrapper(target, draft, max_batch_size=max_bs)
+    if "dflash_compiled" in methods:
+        specs["dflash_compiled"] = DFlashSpecWrapper(target, draft, max_batch_size=max_bs)
+        specs["dflash_compiled"].compile(backend="dflash", fullgraph=True)
 
     def hf(**extra):
-        def f(enc):
-            out = target.generate(**enc, **gen, **extra)
-            return out, None
-        return f
+        return lambda enc: (target.generate(**enc, **gen, **extra), None)
 
-    def dflash(spec):
+    def ours(spec):
         def f(enc):
             out = spec.generate(enc["input_ids"], attention_mask=enc["attention_mask"], max_new_tokens=args.max_new,
                                 eos_token_id=eos, pad_token_id=pad, return_dict_in_generate=True)
             return out.sequences, out
         return f
 
-    methods = {
-        "hf_greedy": (hf(), (1, 8)),
-        "hf_prompt_lookup": (hf(prompt_lookup_num_tokens=args.lookup_tokens), (1,)),
-        "hf_assisted": (hf(assistant_model=assistant), (1,)) if assistant is not None else None,
-        "dflash_eager": (dflash(eager), (1, 8)),
-        "dflash_compiled": (dflash(compiled), (1, 8)),
+    fns = {
+        "hf_greedy": hf(),
+        "hf_compiled": hf(cache_implementation="static", max_cache_len=cache_len, compile_config=cc),
+        "hf_prompt_lookup": hf(prompt_lookup_num_tokens=args.lookup_tokens),
+        "hf_dflash": hf(assistant_model=hf_draft, speculation_type="dflash"),
+        "hf_assisted": hf(assistant_model=assistant),
+        **{name: ours(spec) for name, spec in specs.items()},
     }
-    results = {}
-    for name, spec in methods.items():
-        if spec is None:
-            results[name] = {"skipped": f"no assistant model at {args.assistant}"}
+    results, phases = {}, None
+    for name in methods:
+        if name in skip:
+            results.update({f"{name}@bs{bs}": {"skipped": skip[name]} for bs in batch_sizes})
             continue
-        fn, batches = spec
-        for bs in (1, 8):
+        fn = fns[name]
+        for bs in batch_sizes:
             key = f"{name}@bs{bs}"
-            if bs not in batches:
-                results[key] = {"skipped": "HF supports batch 1 only"}
-                continue
-            groups = [texts[i : i + 1] for i in range(len(texts))] if bs == 1 else [texts[:8]]
+            groups = [texts[i : i + bs] for i in range(0, len(texts), bs)]
             encs = [tok(g, return_tensors="pt", padding=True) for g in groups]
-
-            def all_groups():
-                return [fn(enc) for enc in encs]
-
-            seconds, outs = _timed(all_groups, args.repeats)
-            new = sum(_new_tokens(seq, enc["input_ids"].shape[1], eos) for (seq, _), enc in zip(outs, encs))
-            row = {"tok_s": new / seconds, "seconds": seconds, "new_tokens": new}
+            if bs > 1 and name in BS1_ONLY:
+                try:
+                    fn(encs[0])
+                    raise AssertionError(f"{name} ran at batch {bs}: drop it from BS1_ONLY")
+                except (ValueError, RuntimeError, NotImplementedError) as e:  # HF's own reason
+                    results[key] = {"skipped": f"HF: {type(e).__name__}: {e}"}
+                    print(key, "skipped:", e, flush=True)
+                    continue
+            # warm-up: one full untimed pass (compiles included), instrumented for HF's speculative loops
+            counter = HFSpecCounter()
+            graphs_per_call = []
+            t0 = time.perf_counter()
+            with counter.active() if name.startswith("hf_") else contextlib.nullcontext():
+                for enc in encs:
+                    g0 = _graphs()
+                    fn(enc)
+                    graphs_per_call.append(_graphs() - g0)
+            warmup_s = time.perf_counter() - t0
+            g0 = _graphs()
+            times = []
+            for _ in range(args.repeats):
+                t0 = time.perf_counter()
+                outs = [fn(enc) for enc in encs]
+                times.append(time.perf_counter() - t0)
+            seconds = statistics.median(times)
+            rows = [r for (seq, _), enc in zip(outs, encs) for r in _rows(seq, enc["input_ids"].shape[1], eos)]
+            new = sum(len(r) for r in rows)
+            row = {"tok_s": new / seconds, "seconds": seconds, "new_tokens": new, "rows": len(rows),
+                   "identical_to_hf_greedy_bs1": sum(a == b for a, b in zip(rows, reference)),
+                   "warmup_s": warmup_s}
+            if name in ("hf_compiled", "dflash_compiled"):
+                row["graphs_compiled_per_warmup_call"] = graphs_per_call
+                row["graphs_compiled_while_timed"] = _graphs() - g0
             stats = [o for _, o in outs if o is not None]
-            if stats:
+            if stats:  # ours: from the output objects
                 drafts = sum(o.num_drafts for o in stats)
-                acc = [sum(o.num_accepted_tokens_per_pos[k] for o in stats) for k in range(len(stats[0].num_accepted_tokens_per_pos))]
+                k = len(stats[0].num_accepted_tokens_per_pos)
                 row["acceptance_length"] = 1 + sum(o.num_accepted_tokens for o in stats) / max(1, drafts)
-                row["per_position_acceptance"] = [a / max(1, drafts) for a in acc]
+                row["num_drafts"] = drafts
+                row["num_accepted_tokens"] = sum(o.num_accepted_tokens for o in stats)
+                row["per_position_acceptance"] = [
+                    sum(o.num_accepted_tokens_per_pos[i] for o in stats) / max(1, drafts) for i in range(k)
+                ]
+            elif counter.target_forwards:  # HF speculative: counted on the warm-up pass
+                row.update(counter.stats())
             results[key] = row
             print(key, {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()
                         if k != "per_position_acceptance"}, flush=True)
+            if name == "dflash_compiled" and bs == 1:
+                phases = phase_profile(specs[name], encs, args)
     return {
         "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
         "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "target": str(target_dir),
+        "draft": str(draft_dir),
         "num_prompts": len(texts),
         "max_new_tokens": args.max_new,
         "repeats": args.repeats,
+        "batch_sizes": batch_sizes,
+        "methods": list(methods),
+        "hf_compiled_max_cache_len": cache_len,
         "results": results,
+        "phases": phases,
     }
+
+
+# ---------------------------------------------------------------------------------------------- report
+def _short(path: str) -> str:
+    root = Path(__file__).resolve().parents[1]
+    p = Path(path).resolve()
+    return str(p.relative_to(root)) if p.is_relative_to(root) else str(p)
 
 
 def write(report: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_humaneval.json").write_text(json.dumps(report, indent=2) + "\n")
-    r = report["results"]
+    r, methods, sizes = report["results"], report["methods"], report["batch_sizes"]
+    n = report["num_prompts"]
     lines = [
-        f"HumanEval prompts ({report['num_prompts']}), default pair, greedy, {report['max_new_tokens']} new tokens, "
-        f"median of {report['repeats']}; {report['machine']}, torch {report['torch']}",
+        f"HumanEval prompts ({n}), greedy, up to {report['max_new_tokens']} new tokens, median of "
+        f"{report['repeats']} after one warm-up pass; {report['machine']}, torch {report['torch']}, "
+        f"transformers {report['transformers']}. Target {_short(report['target'])}, drafter {_short(report['draft'])}. "
+        f"Batch b: the prompts in groups of up to b. hf_compiled: static cache, "
+        f"max_cache_len={report['hf_compiled_max_cache_len']}.",
         "",
-        "| method | bs1 tok/s | bs8 tok/s | acceptance length (bs1) | per-position acceptance (bs1) |",
-        "|---|---|---|---|---|",
+        "| method | batch | tok/s | seconds | new tokens | acceptance length | identical to HF greedy | note |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    names = ["hf_greedy", "hf_prompt_lookup", "hf_assisted", "dflash_eager", "dflash_compiled"]
-    for n in names:
-        a, b = r.get(f"{n}@bs1", r.get(n, {})), r.get(f"{n}@bs8", {})
-        fmt = lambda x: f"{x['tok_s']:.1f}" if "tok_s" in x else "n/a"
-        tau = f"{a['acceptance_length']:.2f}" if "acceptance_length" in a else ""
-        pos = " ".join(f"{p:.2f}" for p in a.get("per_position_acceptance", []))
-        lines.append(f"| {n} | {fmt(a)} | {fmt(b)} | {tau} | {pos} |")
-    base = r.get("hf_greedy@bs1", {}).get("tok_s")
-    spec_hf = max((r.get(f"{n}@bs1", {}).get("tok_s", 0) for n in ("hf_prompt_lookup", "hf_assisted")), default=0)
-    comp = r.get("dflash_compiled@bs1", {}).get("tok_s")
-    if base and comp:
-        lines += ["", f"DFlash compiled vs HF greedy (bs1): {comp / base:.2f}x; vs best HF speculative: "
-                      f"{comp / spec_hf:.2f}x" if spec_hf else ""]
+    for m in methods:
+        for bs in sizes:
+            x = r.get(f"{m}@bs{bs}", {})
+            if "tok_s" not in x:
+                lines.append(f"| {m} | {bs} | n/a | | | | | {x.get('skipped', '')} |")
+                continue
+            tau = f"{x['acceptance_length']:.2f}" if "acceptance_length" in x else ""
+            note = ""
+            if "graphs_compiled_while_timed" in x:
+                note = (f"graphs compiled per warm-up call {x['graphs_compiled_per_warmup_call']}, "
+                        f"while timed {x['graphs_compiled_while_timed']}")
+            lines.append(f"| {m} | {bs} | {x['tok_s']:.1f} | {x['seconds']:.3f} | {x['new_tokens']} | {tau} | "
+                         f"{x['identical_to_hf_greedy_bs1']}/{x['rows']} | {note} |")
+    lines += ["", "dflash_compiled vs each peer at the same batch size (tokens/s ratio, > 1: ours faster):", ""]
+    for bs in sizes:
+        ours = r.get(f"dflash_compiled@bs{bs}", {}).get("tok_s")
+        if not ours:
+            continue
+        parts = [f"{m} {ours / r[f'{m}@bs{bs}']['tok_s']:.2f}x" for m in methods
+                 if m != "dflash_compiled" and "tok_s" in r.get(f"{m}@bs{bs}", {})]
+        lines.append(f"- batch {bs}: " + ("; ".join(parts) or "no peer measured"))
+    ph = report.get("phases")
+    if ph:
+        lines += ["", f"Per-phase profile of one compiled step (dflash_compiled, batch 1, first prompt, context bucket "
+                      f"{ph['context_pages']} pages; ms):", "",
+                  "| step | verify | accept | inject | propose | graph (profiled) | matmuls in it | host per step |",
+                  "|---|---|---|---|---|---|---|---|",
+                  f"| {ph['step_ms']:.3f} | {ph['verify_ms']:.3f} | {ph['accept_ms']:.3f} | {ph['inject_ms']:.3f} | "
+                  f"{ph['propose_ms']:.3f} | {ph['graph_ms']:.3f} | {ph['mm_ms']:.3f} | {ph['host_ms']:.3f} |"]
+        ar = r.get("hf_compiled@bs1", {}).get("tok_s")
+        if ar:
+            lines += ["", f"One compiled step = {ph['step_ms'] / (1e3 / ar):.2f}x one token of HF's compile path "
+                          f"({1e3 / ar:.3f} ms/token at batch 1)."]
     (out / "bench_humaneval.md").write_text("\n".join(lines) + "\n")
     try:
         import matplotlib
@@ -165,13 +492,15 @@ def write(report: dict, out: Path) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, ax = plt.subplots(figsize=(8, 4))
-        x = range(len(names))
-        for off, bs in ((-0.2, 1), (0.2, 8)):
-            ax.bar([i + off for i in x], [r.get(f"{n}@bs{bs}", {}).get("tok_s", 0) for n in names], 0.4, label=f"batch {bs}")
-        ax.set_xticks(list(x), names, rotation=20)
+        fig, ax = plt.subplots(figsize=(10, 4))
+        width = 0.8 / len(sizes)
+        for j, bs in enumerate(sizes):
+            off = (j - (len(sizes) - 1) / 2) * width
+            ax.bar([i + off for i in range(len(methods))],
+                   [r.get(f"{m}@bs{bs}", {}).get("tok_s", 0) for m in methods], width, label=f"batch {bs}")
+        ax.set_xticks(list(range(len(methods))), methods, rotation=20)
         ax.set_ylabel("tokens/s")
-        ax.set_title("HumanEval prompts, default pair, greedy (CPU)")
+        ax.set_title(f"HumanEval prompts ({n}), greedy, {report['machine']}")
         ax.legend()
         fig.tight_layout()
         fig.savefig(out / "bench_humaneval.png", dpi=100)
@@ -181,9 +510,13 @@ def write(report: dict, out: Path) -> None:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default=None, help="HF target directory (default: the shipped pair's)")
+    p.add_argument("--draft", default=None, help="DFlash drafter directory (default: the shipped pair's)")
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-new", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--methods", default="all", help=f"comma list of {','.join(METHODS)} (default all)")
+    p.add_argument("--batch-sizes", default="1,8")
     p.add_argument("--lookup-tokens", type=int, default=10)
     p.add_argument("--assistant", default="build/assistant")
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))

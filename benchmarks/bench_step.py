@@ -20,6 +20,8 @@ from torch._dynamo.utils import counters
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dflash_compile import DFlashDraftModel, DFlashSpecWrapper
+from dflash_compile.generation import resolve_generation_args
+from dflash_compile.spec_wrapper import _Batch, _Request
 
 
 def build(args):
@@ -36,20 +38,17 @@ def build(args):
 
 @torch.no_grad()
 def step_inputs(spec, bucket, prompt_len):
-    """Prefilled requests ``0..bucket-1`` and the step's inputs for them (marked static, as ``generate`` does)."""
+    """``bucket`` random prompts prefilled together through ``spec``'s own admission, and the step's inputs for
+    them, exactly as ``generate`` builds them (fresh pools each call)."""
+    spec._cache = None
     cache = spec.kv_cache()
+    batch = _Batch(spec.max_batch_size, spec.block_size, cache.blocks_per_seq, cache.device)
     g = torch.Generator().manual_seed(bucket)
-    blocks = []
-    for row in range(bucket):
-        cache.free(row)
-        cache.ensure(row, prompt_len + spec.block_size)
-        ids = torch.randint(0, spec.draft.config.vocab_size - 1, (1, prompt_len), generator=g)
-        blocks.append(spec.prefill(ids, cache.block_table([row]), cache)[0])
-    inputs = (torch.cat(blocks), torch.full((bucket,), prompt_len), cache.block_table(list(range(bucket))),
-              torch.ones(bucket, dtype=torch.bool), cache.target_pool, cache.draft_pool)
-    for t in inputs:
-        torch._dynamo.mark_static(t)
-    return inputs
+    vocab = spec.draft.config.vocab_size
+    requests = [_Request(i, torch.randint(0, vocab - 1, (prompt_len,), generator=g).tolist()) for i in range(bucket)]
+    args = resolve_generation_args(spec.target, prompt_len, dict(max_new_tokens=spec.max_seq_len))
+    spec._admit(batch, requests, cache, args)
+    return spec._step_inputs(batch, cache)[1]
 
 
 @torch.no_grad()
@@ -73,8 +72,8 @@ def main(argv=None):
     p.add_argument("--block-size", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--max-seq-len", type=int, default=None,
-                   help="the wrapper's capacity per request (default: prompt + 4 blocks); the eager step attends "
-                        "over all of it, the dflash CPU kernel only up to the longest live context")
+                   help="the wrapper's capacity per request (default: prompt + 4 blocks); every step attends over "
+                        "the context bucket that holds the live rows, whatever the capacity")
     p.add_argument("--buckets", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--backends", nargs="+", default=["dflash", "inductor"])
     p.add_argument("--repeats", type=int, default=7)

@@ -3,11 +3,11 @@
 Both retrace the captured graph to pre-dispatch ATen, run the DFlash passes (which swap the step's hot
 patterns for ``torch.ops.dflash.*``) and hand the result on:
 
-- ``dflash``: to Inductor. The custom ops run their Triton kernels on CUDA, a length-adaptive torch kernel
-  (``lowerings/cpu``) for ``block_attention`` on CPU and the reference (``lowerings/ops.py``) otherwise;
-  everything else is Inductor's.
+- ``dflash``: lowers each op to its device implementation traced into the graph (``lower``: plain ATen on CPU,
+  which Inductor compiles into C++; the Triton kernels through ``wrap_triton`` on CUDA), then Inductor. The
+  compiled step calls no Python-implemented op.
 - ``dflash_neuron``: to the Neuron SDK's own dynamo backend with the NKI kernels registered, when the SDK is
-  importable. Without it: the same as ``dflash`` (passes, torch/Triton lowerings, Inductor), said once in the
+  importable. Without it: the same as ``dflash`` (passes, CPU/Triton lowerings, Inductor), said once in the
   log.
 
 Registered through the ``torch_dynamo_backends`` entry-point group, so ``torch.compile(fn, backend="dflash")``
@@ -27,7 +27,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 log = logging.getLogger(__name__)
 
 #: Inductor settings for the step (inference only: parameters are constants).
-INDUCTOR_OPTIONS = {"freezing": True}
+INDUCTOR_OPTIONS = {"freezing": True, "cpp_wrapper": True}
 _said: set[str] = set()
 
 
@@ -68,6 +68,19 @@ def dflash_passes(gm: torch.fx.GraphModule, example_inputs) -> torch.fx.GraphMod
     return aten_gm
 
 
+def lower(gm: torch.fx.GraphModule, example_inputs) -> torch.fx.GraphModule:
+    """Retrace ``gm`` with every ``dflash`` op replaced by its implementation for the graph's device
+    (``lowerings.lowering_table``); ops without one for that device stay as they are."""
+    from .lowerings import lowering_table
+
+    kinds = {x.device.type for x in example_inputs if isinstance(x, torch.Tensor)}
+    table = lowering_table(kinds.pop()) if len(kinds) == 1 else {}
+    if not table or not any(n.op == "call_function" and n.target in table for n in gm.graph.nodes):
+        return gm
+    with torch._guards.tracing(None):
+        return make_fx(gm, decomposition_table=table, pre_dispatch=True, tracing_mode="fake")(*example_inputs)
+
+
 def _inductor(gm, example_inputs, options):
     from torch._inductor.compile_fx import compile_fx
 
@@ -75,25 +88,10 @@ def _inductor(gm, example_inputs, options):
         return compile_fx(gm, example_inputs)
 
 
-def _register_kernels(example_inputs) -> None:
-    """Device kernels for the ops: Triton on CUDA, the length-adaptive CPU kernels on CPU."""
-    kinds = {x.device.type for x in example_inputs if isinstance(x, torch.Tensor)}
-    if "cuda" in kinds:
-        from .lowerings.triton import register_cuda_kernels
-
-        register_cuda_kernels()
-    if "cpu" in kinds:
-        from .lowerings.cpu import register_cpu_kernels
-
-        register_cpu_kernels()
-
-
 def dflash_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None):
-    """``torch.compile(..., backend="dflash")``: DFlash passes, then Inductor (Triton kernels on CUDA)."""
+    """``torch.compile(..., backend="dflash")``: DFlash passes, device lowerings, then Inductor."""
     passed = dflash_passes(gm, example_inputs)
-    if passed is not None:
-        _register_kernels(example_inputs)
-    return _inductor(passed if passed is not None else gm, example_inputs, options)
+    return _inductor(lower(passed, example_inputs) if passed is not None else gm, example_inputs, options)
 
 
 def neuron_sdk_available() -> bool:
@@ -117,8 +115,6 @@ def dflash_neuron_backend(gm: torch.fx.GraphModule, example_inputs, options: dic
     _say_once(
         "no-neuron",
         "dflash_neuron: the Neuron SDK (torch_neuronx, nki) is not installed; compiling with the DFlash passes, "
-        "the torch (CPU) / Triton (CUDA) lowerings and Inductor instead of NKI kernels and the Neuron backend",
+        "the CPU / Triton (CUDA) lowerings and Inductor instead of NKI kernels and the Neuron backend",
     )
-    if passed is not None:
-        _register_kernels(example_inputs)
-    return _inductor(graph, example_inputs, options)
+    return _inductor(lower(passed, example_inputs) if passed is not None else gm, example_inputs, options)

@@ -1,6 +1,8 @@
 """Paged K/V pools shared by the target and the drafter, and the HF ``Cache`` adapter for the target.
 
-Layout. Each model has one pool tensor ``[num_layers, 2 (K, V), num_slots + 2, kv_heads, head_dim]``. A slot
+Layout. The target has one pool tensor per decoder layer, ``[2 (K, V), num_slots + 2, kv_heads, head_dim]``
+(separate tensors, so a compiled step writes each in place rather than through a view of a larger one), the
+drafter one for all its layers, ``[num_layers, 2, num_slots + 2, kv_heads, head_dim]`` (written whole). A slot
 is one token position of one request; slots come in KV blocks of ``page_size`` and every request owns one
 block table (block ids, ``-1`` where unallocated) that indexes BOTH pools: position ``p`` of a request lives
 in the same slot of the target pool and of the drafter pool (vLLM allocates block tables spanning the
@@ -91,14 +93,14 @@ class PagedKVCache:
         slots = self.num_blocks * page_size + 2  # + ZERO_SLOT, TRASH_SLOT
         Lt, Ht, Dt = target_shape
         Ld, Hd, Dd = draft_shape
-        self.target_pool = torch.zeros(Lt, 2, slots, Ht, Dt, dtype=dtype, device=device)
+        self.target_pools = tuple(torch.zeros(2, slots, Ht, Dt, dtype=dtype, device=device) for _ in range(Lt))
         self.draft_pool = torch.zeros(Ld, 2, slots, Hd, Dd, dtype=dtype, device=device)
         self._free = list(range(self.num_blocks - 1, -1, -1))  # pop() hands out low ids first
         self._owned: dict[int, list[int]] = {}
 
     @property
     def device(self) -> torch.device:
-        return self.target_pool.device
+        return self.draft_pool.device
 
     def ensure(self, request: int, num_tokens: int) -> None:
         """Make ``request``'s blocks cover positions ``[0, min(num_tokens, max_seq_len))``."""
@@ -138,7 +140,7 @@ class PagedTargetLayer(CacheLayerMixin):
 
     def __init__(self, pool: torch.Tensor, write: torch.Tensor, read: torch.Tensor):
         super().__init__()
-        self.pool = pool  # [2, slots, kv_heads, head_dim], a view of the target pool
+        self.pool = pool  # [2, slots, kv_heads, head_dim]: this layer's pool
         self.write = write  # [B * T] flat slots
         self.read = read  # [B, S]
         self.is_initialized = True
@@ -164,7 +166,7 @@ class PagedTargetLayer(CacheLayerMixin):
         return self.read.shape[1]
 
 
-def paged_target_cache(target_pool: torch.Tensor, write: torch.Tensor, read: torch.Tensor) -> Cache:
-    """An HF ``Cache`` whose layers read and write ``target_pool`` through slot tensors."""
+def paged_target_cache(target_pools, write: torch.Tensor, read: torch.Tensor) -> Cache:
+    """An HF ``Cache`` whose layers read and write ``target_pools`` (one per layer) through slot tensors."""
     flat = write.reshape(-1)
-    return Cache(layers=[PagedTargetLayer(target_pool[i], flat, read) for i in range(target_pool.shape[0])])
+    return Cache(layers=[PagedTargetLayer(pool, flat, read) for pool in target_pools])

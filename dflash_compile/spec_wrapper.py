@@ -7,6 +7,7 @@ static-shaped torch over the paged KV pools, with no host synchronisation. ``pre
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 from collections import deque
@@ -72,6 +73,20 @@ def _target_layer_kinds(tcfg) -> tuple[tuple[str, ...] | None, int | None]:
     return (("sliding_attention",) if window is not None else None), window
 
 
+def _context_pages(buckets, max_seq_len: int, page_size: int) -> tuple[int, ...]:
+    """Context buckets in tokens -> sorted page counts, capacity included (default: 128, 256, ... tokens)."""
+    full = -(-max_seq_len // page_size)
+    if buckets is None:
+        buckets, tokens = [], 128
+        while tokens < max_seq_len:
+            buckets.append(tokens)
+            tokens *= 2
+    bad = [b for b in buckets if not isinstance(b, int) or b < 1]
+    if bad:
+        raise ValueError(f"context_buckets must be positive token counts, got {bad}")
+    return tuple(sorted({min(-(-b // page_size), full) for b in buckets} | {full}))
+
+
 class SamplingInputs(NamedTuple):
     """Per-row sampling state of one step (all tensors, so one compiled graph serves greedy and sampled rows).
 
@@ -101,9 +116,46 @@ class _Request:
     stats: DFlashStats = field(default_factory=DFlashStats)
     finish_reason: str | None = None
     seq_len: int = 0  # tokens in the target cache = position of the pending block's first token
-    block: torch.Tensor | None = None  # [1, block_size]: bonus + drafts, to verify next
-    draft_probs: torch.Tensor | None = None  # [1, block_size - 1, V] when sampling: the drafts' distribution
+    pages: int = 0  # KV blocks allocated to it (the first ``pages`` entries of its block-table row)
     generator: torch.Generator | None = None  # the request's own RNG (sampling)
+
+
+class _Batch:
+    """The running requests' step inputs as persistent device buffers: row ``i`` of every buffer belongs to
+    ``rows[i]``; rows ``len(rows)..`` are free (inactive, empty table). A step runs on the first ``bucket`` rows;
+    its results update the buffers in place (one host read per step), and a row is rewritten only when a request
+    joins, leaves (the last row moves into the hole) or needs another KV block (one table entry)."""
+
+    def __init__(self, num_rows: int, block_size: int, blocks_per_seq: int, device):
+        long = dict(dtype=torch.long, device=device)
+        self.rows: list[_Request] = []
+        self.block = torch.zeros(num_rows, block_size, **long)  # bonus + drafts to verify next
+        self.seq_lens = torch.zeros(num_rows, **long)
+        self.tables = torch.full((num_rows, blocks_per_seq), -1, **long)
+        self.active = torch.zeros(num_rows, dtype=torch.bool, device=device)
+        self.do_sample = torch.zeros(num_rows, dtype=torch.bool, device=device)
+        self.temperature = torch.ones(num_rows, device=device)
+        self.top_k = torch.zeros(num_rows, **long)
+        self.top_p = torch.ones(num_rows, device=device)
+        self.draft_probs: torch.Tensor | None = None  # [num_rows, B-1, V], allocated when sampling
+
+    def clear_row(self, i: int) -> None:
+        self.block[i] = 0
+        self.seq_lens[i] = 0
+        self.tables[i] = -1
+        self.active[i] = False
+        self.do_sample[i] = False
+
+    def remove(self, i: int) -> None:
+        """Drop row ``i``: the last row moves into it."""
+        last = len(self.rows) - 1
+        if i != last:
+            for buf in (self.block, self.seq_lens, self.tables, self.active, self.do_sample, self.temperature,
+                        self.top_k, self.top_p) + ((self.draft_probs,) if self.draft_probs is not None else ()):
+                buf[i] = buf[last]
+            self.rows[i] = self.rows[last]
+        self.rows.pop()
+        self.clear_row(last)
 
 
 class DFlashSpecWrapper(nn.Module):
@@ -116,8 +168,11 @@ class DFlashSpecWrapper(nn.Module):
         max_batch_size: the most requests decoded at once (larger batches are queued).
         max_seq_len: capacity per request, prompt included (default: ``min(max_position_embeddings, 2048)``).
         page_size: KV block size, in tokens.
-        batch_buckets: step batch sizes; a step runs at the smallest bucket that holds the live requests, so
-            each bucket reuses one compiled step graph.
+        batch_buckets: step batch sizes; a step runs at the smallest bucket that holds the live requests.
+        context_buckets: context lengths, in tokens, a step's attention spans (rounded up to whole pages; the
+            capacity is always one). A step runs at the smallest that holds every live row's context and block,
+            so attention costs what the live context needs, not the capacity. Default: 128, 256, 512, ... up to
+            ``max_seq_len``. Each (batch bucket, context bucket) pair is one static step graph when compiled.
 
     ``generate`` follows HF ``generate``; greedy output is token-identical to ``target.generate``.
     """
@@ -132,6 +187,7 @@ class DFlashSpecWrapper(nn.Module):
         max_seq_len: int | None = None,
         page_size: int = 16,
         batch_buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS,
+        context_buckets: tuple[int, ...] | None = None,
     ):
         super().__init__()
         validate_pair(target, draft, num_speculative_tokens)
@@ -153,6 +209,7 @@ class DFlashSpecWrapper(nn.Module):
             raise ValueError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
         self.page_size = page_size
         self.batch_buckets = tuple(sorted({b for b in batch_buckets if 0 < b < max_batch_size} | {max_batch_size}))
+        self.context_buckets = _context_pages(context_buckets, self.max_seq_len, page_size)
         self._eager_mask = attn == "eager"
         self._mask_kinds, self._window = _target_layer_kinds(tcfg)
         self._logits_to_keep = "logits_to_keep" in inspect.signature(target.forward).parameters
@@ -162,28 +219,51 @@ class DFlashSpecWrapper(nn.Module):
     def block_size(self) -> int:
         return self.draft.block_size
 
+    def compile(self, *args, **kwargs):
+        """``nn.Module.compile`` with ``dynamic=False`` by default: every (batch, context) bucket is its own
+        static graph, never an automatically dynamic one."""
+        kwargs.setdefault("dynamic", False)
+        super().compile(*args, **kwargs)
+
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
-    def forward(self, block, seq_lens, block_tables, active, target_pool, draft_pool, sampling: SamplingInputs | None = None):
+    def forward(self, block, seq_lens, block_tables, active, target_pools, draft_pool, sampling: SamplingInputs | None = None):
         """One speculative step for a batch bucket of ``Bk`` rows.
 
         ``block [Bk, B]`` = each row's bonus token and drafts (at positions ``seq_lens + 0..B-1``),
-        ``seq_lens [Bk]`` tokens already in the cache, ``block_tables [Bk, NB]``, ``active [Bk]`` (False for
-        bucket padding), the two pools (written in place), and ``sampling`` (``SamplingInputs``; None: all rows
-        greedy, the greedy-only graph).
+        ``seq_lens [Bk]`` tokens already in the cache, ``block_tables [Bk, NB]`` (``NB`` pages: the context bucket;
+        they must cover every row's positions up to ``seq_lens + B``, capped at capacity), ``active [Bk]`` (False
+        for bucket padding), the pools (``target_pools``: one per target layer; written in place), and
+        ``sampling`` (``SamplingInputs``; None: all rows greedy, the greedy-only graph).
         Returns ``tokens [Bk, B]`` (accepted drafts then the target's next token, padded with -1),
         ``num_accepted [Bk]``, ``next_block [Bk, B]`` (the new bonus and its drafts) and ``next_draft_probs
         [Bk, B-1, V]`` (None without ``sampling``).
         """
-        B = block.shape[1]
-        offsets = torch.arange(B, device=block.device)
-        positions = seq_lens[:, None] + offsets  # [Bk, B]
-        in_capacity = (positions < self.max_seq_len) & active[:, None]
-        kv_lens = torch.clamp(seq_lens + B, max=self.max_seq_len)  # [Bk]
+        positions, in_capacity = self._block_positions(block, seq_lens, active)
+        logits, aux = self._verify(block, positions, in_capacity, seq_lens, block_tables, active, target_pools)
+        tokens, num_accepted, bonus = self._accept(block, logits, active, sampling)
+        # Context rows for the drafter: the bonus and the accepted drafts; rejected rows write nowhere.
+        accepted = torch.arange(block.shape[1], device=block.device) <= num_accepted[:, None]  # [Bk, B]
+        self._inject(aux, positions, accepted & in_capacity, block_tables, draft_pool)
+        next_block, next_draft_probs = self._propose(
+            bonus, seq_lens + num_accepted + 1, block_tables, active, draft_pool, sampling
+        )
+        return tokens, num_accepted, next_block, next_draft_probs
 
-        logits, aux = self._target_forward(block, positions, in_capacity, kv_lens, block_tables, active, target_pool)
-        target_tokens = logits.argmax(-1)  # [Bk, B]
-        tokens, num_accepted = greedy_accept(block[:, 1:], target_tokens)
+    # The step's phases (``forward`` is their composition; benchmarks time them one by one).
+    def _block_positions(self, block, seq_lens, active):
+        """Positions of the block's tokens ``[Bk, B]`` and which of them the caches may hold."""
+        positions = seq_lens[:, None] + torch.arange(block.shape[1], device=block.device)
+        return positions, (positions < self.max_seq_len) & active[:, None]
+
+    def _verify(self, block, positions, in_capacity, seq_lens, block_tables, active, target_pools):
+        """The target over the block: ``(logits [Bk, B, V], context features [Bk, B, n_ids * H])``."""
+        kv_lens = torch.clamp(seq_lens + block.shape[1], max=self.max_seq_len)  # [Bk]
+        return self._target_forward(block, positions, in_capacity, kv_lens, block_tables, active, target_pools)
+
+    def _accept(self, block, logits, active, sampling=None):
+        """Acceptance: ``(tokens [Bk, B] padded with -1, num_accepted [Bk], bonus [Bk, 1])``."""
+        tokens, num_accepted = greedy_accept(block[:, 1:], logits.argmax(-1))
         if sampling is not None:
             p = sampling
             target_probs = process_logits(logits, p.temperature, p.top_k, p.top_p).softmax(-1)  # [Bk, B, V]
@@ -191,17 +271,7 @@ class DFlashSpecWrapper(nn.Module):
             tokens = torch.where(p.do_sample[:, None], s_tokens, tokens)
             num_accepted = torch.where(p.do_sample, s_accepted, num_accepted)
         bonus = tokens.gather(1, num_accepted[:, None])  # [Bk, 1]: the token after the accepted drafts
-        tokens = torch.where(active[:, None], tokens, -1)
-        num_accepted = torch.where(active, num_accepted, 0)
-
-        # Context rows for the drafter: the bonus and the accepted drafts; rejected rows write nowhere.
-        accepted = offsets[None, :] <= num_accepted[:, None]  # [Bk, B]
-        self._inject(aux, positions, accepted & in_capacity, block_tables, draft_pool)
-
-        next_block, next_draft_probs = self._propose(
-            bonus, seq_lens + num_accepted + 1, block_tables, active, draft_pool, sampling
-        )
-        return tokens, num_accepted, next_block, next_draft_probs
+        return torch.where(active[:, None], tokens, -1), torch.where(active, num_accepted, 0), bonus
 
     def _target_mask(self, positions, kv_lens, key_pos):
         """``[Bk, 1, T, S]`` causal visibility over each row's written positions (a dict per layer type for
@@ -217,7 +287,7 @@ class DFlashSpecWrapper(nn.Module):
             return masks["full_attention"]
         return {kind: masks[kind] for kind in self._mask_kinds}
 
-    def _target_forward(self, ids, positions, write_ok, kv_lens, block_tables, active, target_pool, last_only=False):
+    def _target_forward(self, ids, positions, write_ok, kv_lens, block_tables, active, target_pools, last_only=False):
         """Target over ``ids [Bk, T]`` at ``positions``; K/V land in the paged pool. -> (logits, aux hidden)."""
         write = write_slots(block_tables, positions, write_ok, self.page_size)
         kv_lens = torch.where(active, kv_lens, 0)
@@ -228,7 +298,7 @@ class DFlashSpecWrapper(nn.Module):
             input_ids=ids,
             position_ids=positions,
             attention_mask=mask,
-            cache=paged_target_cache(target_pool, write, read),
+            cache=paged_target_cache(target_pools, write, read),
             use_cache=True,
             **extra,
         )
@@ -260,38 +330,38 @@ class DFlashSpecWrapper(nn.Module):
         return torch.cat([bonus, drafts], dim=1), probs
 
     # ------------------------------------------------------------------ prefill
-    def prefill(
-        self, input_ids: torch.Tensor, block_table: torch.Tensor, cache: PagedKVCache,
-        sampling: SamplingInputs | None = None,
-    ):
-        """Run one prompt ``[1, L]`` through the target into the pool, inject its context features into the
-        drafter's cache and draft the first block. Returns ``([1, B], draft_probs)``: the first token and its
-        drafts, and the drafts' distribution ``[1, B-1, V]`` (None without ``sampling``; there
-        ``sampling.u_bonus`` samples the first token, ``draft_probs``/``u_accept`` are unused)."""
-        L = input_ids.shape[1]
-        device = input_ids.device
-        positions = torch.arange(L, device=device)[None]
-        ok = torch.ones(1, L, dtype=torch.bool, device=device)
-        lens = torch.tensor([L], device=device)
-        active = torch.ones(1, dtype=torch.bool, device=device)
+    @torch.no_grad()
+    def prefill(self, input_ids, lens, block_tables, target_pools, draft_pool, sampling: SamplingInputs | None = None):
+        """Run new prompts through the target into the pools, inject their context features into the drafter's
+        cache and draft each one's first block, all rows in one forward.
+
+        ``input_ids [n, L]`` left-padded (row ``i``'s prompt is its last ``lens[i]`` tokens), ``block_tables [n,
+        NB]`` covering each prompt. Returns ``([n, B], draft_probs)``: each row's first token and its drafts, and
+        the drafts' distribution ``[n, B-1, V]`` (None without ``sampling``; there ``sampling.u_bonus`` samples
+        the first token, ``draft_probs``/``u_accept`` are unused)."""
+        n, L = input_ids.shape
+        positions = torch.arange(L, device=input_ids.device) - (L - lens)[:, None]  # [n, L]; < 0: padding
+        real = positions >= 0
+        positions = positions.clamp(min=0)  # padding queries sit at 0 and see key 0: no empty softmax row
+        active = torch.ones(n, dtype=torch.bool, device=input_ids.device)
         logits, aux = self._target_forward(
-            input_ids, positions, ok, lens, block_table, active, cache.target_pool, last_only=True
+            input_ids, positions, real, lens, block_tables, active, target_pools, last_only=True
         )
-        self._inject(aux, positions, ok, block_table, cache.draft_pool)
-        last = logits[:, -1]  # [1, V]
+        self._inject(aux, positions, real, block_tables, draft_pool)
+        last = logits[:, -1]  # [n, V]: every row's prompt ends at the last column
         bonus = last.argmax(-1, keepdim=True)
         if sampling is not None:
             p = sampling
             probs = process_logits(last, p.temperature, p.top_k, p.top_p).softmax(-1)
             bonus = torch.where(p.do_sample[:, None], sample_from(probs, p.u_bonus)[:, None], bonus)
-        return self._propose(bonus, lens, block_table, active, cache.draft_pool, sampling)
+        return self._propose(bonus, lens, block_tables, active, draft_pool, sampling)
 
     # ------------------------------------------------------------------ host loop
     def kv_cache(self) -> PagedKVCache:
         """The paged pools, (re)allocated on the target's device and dtype when needed."""
         p = next(self.target.parameters())
         c = self._cache
-        if c is None or c.device != p.device or c.target_pool.dtype != p.dtype:
+        if c is None or c.device != p.device or c.draft_pool.dtype != p.dtype:
             tcfg = self.target.config.get_text_config()
             t_heads = getattr(tcfg, "num_key_value_heads", None) or tcfg.num_attention_heads
             t_dim = getattr(tcfg, "head_dim", None) or tcfg.hidden_size // tcfg.num_attention_heads
@@ -306,6 +376,11 @@ class DFlashSpecWrapper(nn.Module):
                 device=p.device,
             )
         return self._cache
+
+    def _context_bucket(self, num_tokens: int) -> int:
+        """Pages of the smallest context bucket that holds ``num_tokens`` positions (capped at capacity)."""
+        need = -(-min(num_tokens, self.max_seq_len) // self.page_size)
+        return next(b for b in self.context_buckets if b >= need)
 
     @torch.no_grad()
     def generate(
@@ -385,93 +460,140 @@ class DFlashSpecWrapper(nn.Module):
             [len(r.new) for r in requests], prefix.shape[1],
         )
 
-    def _sampling(self, rows: list[_Request], pad_rows: int, args: GenerationArgs, device, prefill=False):
-        """The step's ``SamplingInputs`` for ``rows`` (+ ``pad_rows`` greedy padding rows); None when greedy.
-        Draws this step's uniforms from each request's generator, in a fixed order."""
-        if not args.do_sample:
-            return None
-        K, n = self.block_size - 1, len(rows) + pad_rows
-        draws = 1 + K if prefill else 1 + 2 * K  # [u_bonus, u_draft] or [u_accept, u_bonus, u_draft]
-        u = torch.zeros(n, draws)
+    def _uniforms(self, rows: list[_Request], num_rows: int, prefill: bool) -> torch.Tensor:
+        """This step's uniforms ``[num_rows, draws]``, drawn on the host from each request's generator in a fixed
+        order (``[u_accept (B-1), u_bonus, u_draft (B-1)]``; no ``u_accept`` at prefill); zeros for padding."""
+        K = self.block_size - 1
+        draws = 1 + K if prefill else 1 + 2 * K
+        u = torch.zeros(num_rows, draws)
         for i, r in enumerate(rows):
-            u[i] = torch.rand(draws, generator=r.generator)
-        u_accept, u = (torch.zeros(n, K), u) if prefill else (u[:, :K], u[:, K:])
-        if prefill:
-            draft_probs = torch.zeros(n, K, 0, device=device)
-        else:
-            V = rows[0].draft_probs.shape[-1]
-            draft_probs = torch.cat([r.draft_probs for r in rows] + [rows[0].draft_probs.new_zeros(pad_rows, K, V)])
-        live = torch.arange(n) < len(rows)
+            if r.generator is not None:
+                u[i] = torch.rand(draws, generator=r.generator)
+        return u
+
+    def _sampling(self, batch: _Batch, bucket: int) -> SamplingInputs:
+        """The step's ``SamplingInputs`` for the first ``bucket`` rows of ``batch``."""
+        K = self.block_size - 1
+        u = self._uniforms(batch.rows, bucket, prefill=False).to(batch.block.device)
         return SamplingInputs(
-            do_sample=live.to(device),
-            temperature=torch.full((n,), args.temperature, device=device),
-            top_k=torch.full((n,), args.top_k, dtype=torch.long, device=device),
-            top_p=torch.full((n,), args.top_p, device=device),
-            draft_probs=draft_probs,
-            u_accept=u_accept.to(device),
-            u_bonus=u[:, 0].to(device),
-            u_draft=u[:, 1:].contiguous().to(device),
+            do_sample=batch.do_sample[:bucket], temperature=batch.temperature[:bucket], top_k=batch.top_k[:bucket],
+            top_p=batch.top_p[:bucket], draft_probs=batch.draft_probs[:bucket],
+            u_accept=u[:, :K], u_bonus=u[:, K], u_draft=u[:, K + 1:],
         )
 
     def _run(self, requests: list[_Request], args: GenerationArgs, device) -> None:
         cache = self.kv_cache()
-        B = self.block_size
+        batch = _Batch(self.max_batch_size, self.block_size, cache.blocks_per_seq, device)
+        self._batch = batch
         waiting = deque(requests)
-        running: list[_Request] = []
-        while waiting or running:
-            while waiting and len(running) < self.max_batch_size:
-                r = waiting.popleft()
-                if self._admit(r, cache, args, device):
-                    running.append(r)
-            if not running:
-                continue
-            bucket = next(b for b in self.batch_buckets if b >= len(running))
-            pad_rows = bucket - len(running)
-            for r in running:
-                cache.ensure(r.index, r.seq_len + B)
-            block = torch.cat([r.block for r in running] + [running[0].block.new_zeros(pad_rows, B)])
-            seq_lens = torch.tensor([r.seq_len for r in running] + [0] * pad_rows, device=device)
-            active = torch.arange(bucket, device=device) < len(running)
-            tables = cache.block_table([r.index for r in running] + [None] * pad_rows)
-            step_inputs = (block, seq_lens, tables, active, cache.target_pool, cache.draft_pool)
-            sampling = self._sampling(running, pad_rows, args, device)
-            for t in step_inputs + (tuple(sampling) if sampling is not None else ()):
-                torch._dynamo.mark_static(t)  # one graph per bucket, never an automatic-dynamic one
-            if sampling is None:
-                tokens, num_accepted, next_block, next_probs = self(*step_inputs)
-            else:
-                tokens, num_accepted, next_block, next_probs = self(*step_inputs, sampling)
-            tokens, num_accepted = tokens.tolist(), num_accepted.tolist()  # the step's one host read
-            still = []
-            for i, r in enumerate(running):
-                a = num_accepted[i]
-                r.stats.record(B - 1, a)
-                r.seq_len += a + 1
-                r.block = next_block[i : i + 1]
-                r.draft_probs = None if next_probs is None else next_probs[i : i + 1]
-                for t in tokens[i][: a + 1]:
-                    if self._emit(r, t, args):
-                        break
-                if r.finish_reason is None:
-                    still.append(r)
-                else:
-                    cache.free(r.index)
-            running = still
+        compiled = getattr(self, "_compiled_call_impl", None) is not None
+        limit = len(self.batch_buckets) * len(self.context_buckets) * 2  # (batch, context) x (greedy, sampled)
+        settings = (
+            torch._dynamo.config.patch(
+                recompile_limit=max(limit, torch._dynamo.config.recompile_limit), automatic_dynamic_shapes=False
+            )
+            if compiled else contextlib.nullcontext()
+        )
+        with settings:
+            while waiting or batch.rows:
+                if waiting and len(batch.rows) < self.max_batch_size:
+                    self._admit(batch, [waiting.popleft() for _ in range(min(len(waiting), self.max_batch_size - len(batch.rows)))], cache, args)
+                if batch.rows:
+                    self._step(batch, cache, args)
 
-    def _admit(self, r: _Request, cache: PagedKVCache, args: GenerationArgs, device) -> bool:
-        """Prefill ``r``; False when it finished without needing a step."""
-        if len(r.prompt) >= self.max_seq_len:
-            r.finish_reason = "length"
-            return False
-        cache.ensure(r.index, len(r.prompt))
-        ids = torch.tensor([r.prompt], device=device)
-        sampling = self._sampling([r], 0, args, device, prefill=True)
-        r.block, r.draft_probs = self.prefill(ids, cache.block_table([r.index]), cache, sampling)
-        r.seq_len = len(r.prompt)
-        if self._emit(r, int(r.block[0, 0]), args):
-            cache.free(r.index)
-            return False
-        return True
+    def _step(self, batch: _Batch, cache: PagedKVCache, args: GenerationArgs) -> None:
+        """One speculative step of the running rows: one call of ``forward``, one host read."""
+        B, rows = self.block_size, batch.rows
+        bucket, step_inputs = self._step_inputs(batch, cache)
+        if args.do_sample:
+            tokens, num_accepted, next_block, next_probs = self(*step_inputs, self._sampling(batch, bucket))
+        else:
+            tokens, num_accepted, next_block, next_probs = self(*step_inputs)
+        batch.block[:bucket] = next_block
+        batch.seq_lens[:bucket] += num_accepted + batch.active[:bucket]
+        if next_probs is not None:
+            batch.draft_probs[:bucket] = next_probs
+        tokens = tokens.tolist()  # the step's one host read
+        for i in range(len(rows) - 1, -1, -1):  # backwards: a finished row is replaced by the last one
+            r, row = rows[i], tokens[i]
+            a = row.index(-1) - 1 if -1 in row else B - 1
+            r.stats.record(B - 1, a)
+            r.seq_len += a + 1
+            for t in row[: a + 1]:
+                if self._emit(r, t, args):
+                    break
+            if r.finish_reason is not None:
+                cache.free(r.index)
+                batch.remove(i)
+
+    def _step_inputs(self, batch: _Batch, cache: PagedKVCache) -> tuple[int, tuple]:
+        """``(bucket, forward's inputs)`` for the running rows: the smallest batch bucket that holds them and the
+        smallest context bucket that holds every row's next block (KV blocks allocated as needed)."""
+        bucket = next(b for b in self.batch_buckets if b >= len(batch.rows))
+        longest = 0
+        for i, r in enumerate(batch.rows):
+            longest = max(longest, r.seq_len + self.block_size)
+            self._grow(batch, i, r, r.seq_len + self.block_size, cache)
+        pages = self._context_bucket(longest)
+        return bucket, (batch.block[:bucket], batch.seq_lens[:bucket], batch.tables[:bucket, :pages],
+                        batch.active[:bucket], cache.target_pools, cache.draft_pool)
+
+    def _grow(self, batch: _Batch, i: int, r: _Request, num_tokens: int, cache: PagedKVCache) -> None:
+        """Allocate KV blocks so row ``i`` (request ``r``) covers ``num_tokens`` positions (capped at capacity)."""
+        if r.pages * self.page_size < min(num_tokens, self.max_seq_len):
+            cache.ensure(r.index, num_tokens)
+            owned = cache.blocks(r.index)
+            batch.tables[i, r.pages : len(owned)] = torch.tensor(owned[r.pages :], dtype=torch.long)
+            r.pages = len(owned)
+
+    def _row_sampling(self, r: _Request, args: GenerationArgs) -> tuple[bool, float, int, float]:
+        """``(do_sample, temperature, top_k, top_p)`` of request ``r``'s row."""
+        return args.do_sample, args.temperature, args.top_k, args.top_p
+
+    def _admit(self, batch: _Batch, new: list[_Request], cache: PagedKVCache, args: GenerationArgs) -> None:
+        """Prefill ``new`` requests together into the free rows of ``batch``; those that finish at once (a
+        prompt at capacity, an eos first token, ``max_new_tokens == 1``) leave again."""
+        B, device = self.block_size, batch.block.device
+        for r in new:
+            if len(r.prompt) >= self.max_seq_len:
+                r.finish_reason = "length"
+        new = [r for r in new if r.finish_reason is None]
+        if not new:
+            return
+        first = len(batch.rows)
+        batch.rows.extend(new)
+        for j, r in enumerate(new):
+            i = first + j
+            r.seq_len = len(r.prompt)
+            self._grow(batch, i, r, r.seq_len, cache)
+            batch.seq_lens[i] = r.seq_len
+            batch.active[i] = True
+            batch.do_sample[i], batch.temperature[i], batch.top_k[i], batch.top_p[i] = self._row_sampling(r, args)
+        rows = slice(first, first + len(new))
+        L = max(len(r.prompt) for r in new)
+        ids = torch.tensor([[0] * (L - len(r.prompt)) + r.prompt for r in new], device=device)
+        lens = batch.seq_lens[rows]
+        pages = self._context_bucket(L)
+        sampling = None
+        if args.do_sample:
+            if batch.draft_probs is None:
+                V = self.draft.config.vocab_size
+                batch.draft_probs = torch.zeros(batch.block.shape[0], B - 1, V, device=device)
+            u = self._uniforms(new, len(new), prefill=True).to(device)
+            sampling = SamplingInputs(
+                batch.do_sample[rows], batch.temperature[rows], batch.top_k[rows], batch.top_p[rows],
+                batch.draft_probs[rows], torch.zeros(len(new), B - 1, device=device), u[:, 0], u[:, 1:],
+            )
+        block, probs = self.prefill(ids, lens, batch.tables[rows, :pages], cache.target_pools, cache.draft_pool, sampling)
+        batch.block[rows] = block
+        if probs is not None:
+            batch.draft_probs[rows] = probs
+        first_tokens = block[:, 0].tolist()
+        for i in range(first + len(new) - 1, first - 1, -1):
+            r = batch.rows[i]
+            if self._emit(r, first_tokens[i - first], args):
+                cache.free(r.index)
+                batch.remove(i)
 
     def _emit(self, r: _Request, token: int, args: GenerationArgs) -> bool:
         """Append ``token`` to ``r`` and stream it; True when ``r`` is finished: an eos token or a stop string

@@ -100,17 +100,18 @@ def test_capacity():
 class _WriteAuditor(DFlashSpecWrapper):
     """Checks after every step that the pools changed only inside live requests' blocks (or the trash)."""
 
-    def forward(self, block, seq_lens, block_tables, active, target_pool, draft_pool):
-        before = target_pool.clone(), draft_pool.clone()
-        out = super().forward(block, seq_lens, block_tables, active, target_pool, draft_pool)
+    def forward(self, block, seq_lens, block_tables, active, target_pools, draft_pool):
+        pools = [(p, 1) for p in target_pools] + [(draft_pool, 2)]  # (pool, its slot dim)
+        before = [p.clone() for p, _ in pools]
+        out = super().forward(block, seq_lens, block_tables, active, target_pools, draft_pool)
         cache = self._cache
-        own = block_tables[active]
+        own = block_tables[active]  # the step's table: only the pages of its context bucket
         own = own[own >= 0]
-        allowed = torch.zeros(target_pool.shape[2], dtype=torch.bool)
+        allowed = torch.zeros(draft_pool.shape[2], dtype=torch.bool)
         allowed[(own[:, None] * cache.page_size + torch.arange(cache.page_size)).flatten()] = True
         allowed[TRASH_SLOT] = True
-        for old, new in zip(before, (target_pool, draft_pool)):
-            changed = (old != new).flatten(3).any(-1).any(0).any(0)  # [slots]
+        for old, (new, dim) in zip(before, pools):
+            changed = (old != new).movedim(dim, 0).flatten(1).any(1)  # [slots]
             assert not (changed & ~allowed).any(), "a write landed outside the live requests' blocks"
             assert not changed[ZERO_SLOT]
         self.audited = getattr(self, "audited", 0) + 1
@@ -120,35 +121,43 @@ class _WriteAuditor(DFlashSpecWrapper):
 def test_writes_stay_in_own_blocks():
     target = tiny_target("gemma3")
     draft = DFlashDraftModel.from_target(target, num_layers=2, block_size=4, target_layer_ids=[1, 3], seed=0)
-    spec = _WriteAuditor(target, draft, max_batch_size=4, max_seq_len=30, page_size=4)
+    spec = _WriteAuditor(target, draft, max_batch_size=4, max_seq_len=30, page_size=4, context_buckets=(8, 16))
     prompts = _prompts([3, 27, 9, 14, 6])
     spec.generate(prompts, max_new_tokens=MAX_NEW, pad_token_id=PAD)
     assert spec.audited > 3
 
 
 class _Recorder(DFlashSpecWrapper):
-    """Records every row's proposed block, per request, so drafts (not only tokens) can be compared."""
+    """Records every block the drafter proposes, per request, so drafts (not only tokens) can be compared."""
 
     def _run(self, requests, args, device):
         self.drafts = {r.index: [] for r in requests}
         super()._run(requests, args, device)
 
-    def _emit(self, r, token, args):
-        if r.block is not None:
-            self.drafts[r.index].append(r.block.tolist())
-        return super()._emit(r, token, args)
+    def _record(self, batch, rows):
+        for i in rows:
+            self.drafts[batch.rows[i].index].append(batch.block[i].tolist())
+
+    def _admit(self, batch, new, cache, args):
+        first = len(batch.rows)
+        super()._admit(batch, new, cache, args)
+        self._record(batch, range(first, len(batch.rows)))
+
+    def _step(self, batch, cache, args):
+        super()._step(batch, cache, args)
+        self._record(batch, range(len(batch.rows)))
 
 
 class _Poisoner(_Recorder):
     victim = 1
 
-    def _admit(self, r, cache, args, device):
-        alive = super()._admit(r, cache, args, device)
-        if r.index == self.victim:
-            slots = cache.slots_of(r.index)
-            cache.target_pool[:, :, slots] = float("nan")
+    def _admit(self, batch, new, cache, args):
+        super()._admit(batch, new, cache, args)
+        if any(r.index == self.victim for r in new) and any(r.index == self.victim for r in batch.rows):
+            slots = cache.slots_of(self.victim)
+            for pool in cache.target_pools:
+                pool[:, slots] = float("nan")
             cache.draft_pool[:, :, slots] = float("nan")
-        return alive
 
 
 @pytest.mark.parametrize("max_batch_size", [8, 2], ids=["together", "queued_reuse"])

@@ -28,7 +28,7 @@ def test_write_and_read_slots_mask():
 def test_pool_layout_and_extra_slots():
     c = _cache()
     assert c.blocks_per_seq == 3 and c.num_blocks == 6
-    assert c.target_pool.shape == (3, 2, 6 * 4 + 2, 2, 8)
+    assert [p.shape for p in c.target_pools] == [(2, 6 * 4 + 2, 2, 8)] * 3  # one tensor per target layer
     assert c.draft_pool.shape == (2, 2, 26, 2, 8)
 
 

@@ -234,15 +234,9 @@ def test_greedy_rows_in_the_sampling_graph_are_greedy(one_thread):
     prompt = [5, 6, 7, 8]
     ref = target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=10)
     # sampling inputs given, but do_sample False for the row: the step must produce the greedy tokens
-    original = spec._sampling
-
-    def greedy_rows(rows, pad_rows, args, device, prefill=False):
-        s = original(rows, pad_rows, dataclasses.replace(args, do_sample=True), device, prefill)
-        return s._replace(do_sample=torch.zeros_like(s.do_sample))
-
-    spec._sampling = greedy_rows
+    spec._row_sampling = lambda r, args: (False, args.temperature, args.top_k, args.top_p)
     args = dataclasses.replace(resolve_generation_args(target, len(prompt), dict(max_new_tokens=10)),
-                               temperature=0.5, top_k=3, top_p=0.5)  # must not matter for greedy rows
+                               do_sample=True, temperature=0.5, top_k=3, top_p=0.5)  # must not matter for greedy rows
     requests = [spec_wrapper._Request(0, prompt, generator=torch.Generator().manual_seed(0))]
     with torch.no_grad():
         spec._run(requests, args, torch.device("cpu"))

@@ -52,11 +52,17 @@ def _(ctx, weight, k_norm_weight, cos, sin, eps):
 def paged_kv_write(pool: Tensor, slots: Tensor, values: Tensor) -> None:
     """Scatter rows into a paged pool in place: ``pool[..., slots[i], :, :] = values[..., i, :, :]``.
 
-    ``pool [*lead, num_slots, Hkv, D]``, ``slots [N]`` int64, ``values [*lead, N, Hkv, D]``. A negative slot
-    writes nothing. Non-negative slots must be distinct.
+    ``pool [*lead, num_slots, Hkv, D]``, ``slots [N]`` int64 in ``[-num_slots, num_slots)``, ``values [*lead, N,
+    Hkv, D]`` (leading dims of size 1 may be missing). Slots index as torch indexes: a negative slot counts from
+    the end of the pool (the step sends every write that must land nowhere to slot -1, its trash slot). Rows
+    written to the same slot leave it holding one of them, unspecified which: only a slot that is never read
+    (the trash) may be written twice.
     """
-    keep = slots >= 0
-    pool[..., slots[keep], :, :] = values[..., keep, :, :].to(pool.dtype)
+    _paged_kv_write_reference(pool, slots, values)
+
+
+def _paged_kv_write_reference(pool, slots, values):
+    pool[..., slots, :, :] = values.to(pool.dtype)
 
 
 @paged_kv_write.register_fake

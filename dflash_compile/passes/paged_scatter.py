@@ -4,9 +4,9 @@ Matches: ``pool[(slice,) * k + (slots,)] = values`` on a ``[*lead, num_slots, he
 ``aten.index_put_(pool, [None] * k + [slots], values)`` with ``k == pool.dim() - 3``, 1-D integer ``slots``
 and ``values [*lead, len(slots), heads, head_dim]`` of the pool's dtype (k = 0, 1 or 2: a bare pool, the
 target's per-layer ``[2, slots, ...]`` view, the drafter's ``[layers, 2, slots, ...]`` pool).
-Rewrite to: ``dflash.paged_kv_write(pool, slots mod num_slots, values)`` in place; every later use of the
-``index_put_`` result reads the pool itself. Negative slots keep their torch meaning (they wrap to the end
-of the pool: the step's trash slot) — the op's "negative writes nothing" is not relied on here.
+Rewrite to: ``dflash.paged_kv_write(pool, slots, values)`` in place; every later use of the ``index_put_``
+result reads the pool itself. The op indexes slots as torch does (a negative slot counts from the end of the
+pool: the step's trash slot), so the rewrite keeps the values exactly.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def _scatter_2(pool, slots, values):
 def _write(pool, slots, values):
     lead = pool.dim() - 3
     values = values.expand(*pool.shape[:lead], slots.shape[0], *pool.shape[-2:])  # setitem drops leading 1s
-    torch.ops.dflash.paged_kv_write(pool, torch.remainder(slots, pool.shape[-3]), values)
+    torch.ops.dflash.paged_kv_write(pool, slots, values)
     return pool
 
 

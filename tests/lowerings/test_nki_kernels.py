@@ -176,9 +176,11 @@ def test_paged_kv_write(lead, num_slots, N, pool_dtype, value_dtype):
     Hkv, D = 2, 8
     pool = torch.randn(*lead, num_slots, Hkv, D, generator=gen).to(pool_dtype)
     values = torch.randn(*lead, N, Hkv, D, generator=gen).to(value_dtype)
-    slots = torch.randperm(num_slots, generator=gen)[:N]
-    slots[torch.rand(N, generator=gen) < 0.3] = -1  # padded rows
-    slots[0] = -1
+    # distinct slots, the last one (a padded row's trash slot) among them; some counted from the end (-1: last)
+    slots = torch.cat([torch.tensor([num_slots - 1]), torch.randperm(num_slots - 1, generator=gen)[: N - 1]])
+    negative = torch.rand(N, generator=gen) < 0.3
+    negative[0] = True
+    slots = torch.where(negative, slots - num_slots, slots)
     expected = pool.clone()
     ops.paged_kv_write(expected, slots, values)
     paged_kv_write(pool, slots, values)
@@ -190,7 +192,7 @@ def test_paged_kv_write_noncontiguous_pool(case):
     storage = torch.zeros(20, 2, 2, 8)
     pool = storage.transpose(0, 1)  # [2, 20, 2, 8], not contiguous
     values = torch.randn(2, 3, 2, 8)
-    slots = torch.tensor([4, -1, 19])
+    slots = torch.tensor([4, -1, -20])  # slots 4, 19 and 0
     expected = pool.clone()
     ops.paged_kv_write(expected, slots, values)
     paged_kv_write(pool, slots, values)

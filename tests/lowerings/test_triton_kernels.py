@@ -24,7 +24,7 @@ if not torch.cuda.is_available():
 
 from dflash_compile.lowerings import ops  # noqa: E402
 from dflash_compile.lowerings.triton import block_attention as block_attention_mod  # noqa: E402
-from dflash_compile.lowerings.triton import register_cuda_kernels  # noqa: E402
+from dflash_compile.lowerings.triton import cuda_lowerings, register_cuda_kernels  # noqa: E402
 from dflash_compile.lowerings.triton.block_attention import block_attention  # noqa: E402
 from dflash_compile.lowerings.triton.fused_kv_proj import fused_kv_proj  # noqa: E402
 from dflash_compile.lowerings.triton.paged_kv_write import paged_kv_write  # noqa: E402
@@ -160,7 +160,7 @@ def test_paged_kv_write(dtype, atol, rtol, value_dtype, Hkv, D, lead):
     gen = torch.Generator().manual_seed(11)
     num_slots = 23
     pool = torch.randn(*lead, num_slots, Hkv, D, generator=gen).to(dtype)
-    slots = torch.tensor([5, -1, 0, 22, 13])  # one padded row
+    slots = torch.tensor([5, -1, 0, -10, 12])  # torch indexing: slots 5, 22 (the last), 0, 13, 12
     values = torch.randn(*lead, len(slots), Hkv, D, generator=gen).to(value_dtype or dtype)
     expected = pool.clone()
     ops.paged_kv_write(expected, slots, values)  # on CPU: the reference
@@ -173,12 +173,52 @@ def test_paged_kv_write(dtype, atol, rtol, value_dtype, Hkv, D, lead):
     _assert_close(pool_dev, expected, 0 if exact else atol, 0 if exact else rtol)
 
 
-def test_paged_kv_write_all_padded_and_empty():
-    before = torch.randn(2, 9, 2, 64)
+@pytest.mark.parametrize("slots", [[-1], [-9, -1, 3, -4], [8, -9, -5]], ids=["last", "mixed", "both-ends"])
+def test_paged_kv_write_negative_slots_count_from_the_end(slots):
+    """A slot in [-num_slots, 0) is slot + num_slots, as in torch indexing (the step's trash slot is -1)."""
+    gen = torch.Generator().manual_seed(4)
+    pool = torch.randn(2, 9, 2, 64, generator=gen)
+    slots = torch.tensor(slots)
+    values = torch.randn(2, len(slots), 2, 64, generator=gen)
+    expected = pool.clone()
+    ops.paged_kv_write(expected, slots, values)
+    assert torch.equal(expected[:, slots[0]], values[:, 0])  # the reference itself wraps
+    pool_dev = pool.to(DEVICE)
+    paged_kv_write(pool_dev, slots.to(DEVICE), values.to(DEVICE))
+    _assert_close(pool_dev, expected, 0, 0)
+
+
+def test_paged_kv_write_empty_and_broadcast_values():
+    gen = torch.Generator().manual_seed(6)
+    before = torch.randn(2, 9, 2, 64, generator=gen)
     pool = before.to(DEVICE, copy=True)
-    paged_kv_write(pool, torch.full((4,), -1, device=DEVICE), torch.ones(2, 4, 2, 64, device=DEVICE))
     paged_kv_write(pool, torch.empty(0, dtype=torch.long, device=DEVICE), torch.ones(2, 0, 2, 64, device=DEVICE))
     assert torch.equal(pool.cpu(), before)
+    values = torch.randn(2, 2, 64, generator=gen)  # no leading dim: the same rows for every lead
+    slots = torch.tensor([3, -1])
+    expected = before.clone()
+    ops.paged_kv_write(expected, slots, values)
+    paged_kv_write(pool, slots.to(DEVICE), values.to(DEVICE))
+    _assert_close(pool, expected, 0, 0)
+
+
+def test_paged_kv_write_strided_pool():
+    """Leading dims that flatten by strides, not by layout (a [layers, slots, ...] view of a slot-major buffer)."""
+    gen = torch.Generator().manual_seed(8)
+    storage = torch.randn(20, 2, 2, 8, generator=gen)
+    pool = storage.to(DEVICE).transpose(0, 1)  # [2, 20, 2, 8], not contiguous
+    slots = torch.tensor([4, -1, -20])
+    values = torch.randn(2, 3, 2, 8, generator=gen)
+    expected = storage.transpose(0, 1).clone()
+    ops.paged_kv_write(expected, slots, values)
+    paged_kv_write(pool, slots.to(DEVICE), values.to(DEVICE))
+    _assert_close(pool, expected, 0, 0)
+
+
+def test_paged_kv_write_pool_whose_leading_dims_do_not_flatten():
+    pool = torch.zeros(3, 2, 5, 1, 4, device=DEVICE).transpose(0, 1)  # [2, 3, 5, 1, 4]: lead (2, 3) interleaved
+    with pytest.raises(ValueError, match="do not flatten"):
+        paged_kv_write(pool, torch.tensor([0], device=DEVICE), torch.ones(2, 3, 1, 1, 4, device=DEVICE))
 
 
 # ----------------------------------------------------------------------------------------------- fused_kv_proj
@@ -230,3 +270,156 @@ def test_register_cuda_kernels_is_idempotent():
     args = dict(causal=False, window=0, scale=0.125)
     expected = _attention_reference(inputs, torch.float16, **args)
     _assert_close(ops.block_attention(**_on(inputs, DEVICE), **args), expected, 5e-3, 5e-3)
+
+
+# ---------------------------------------------------------------------------------------------- lowering table
+def test_cuda_lowerings_cover_every_op_with_the_public_functions():
+    table = cuda_lowerings()
+    assert table == {
+        torch.ops.dflash.fused_kv_proj.default: fused_kv_proj,
+        torch.ops.dflash.paged_kv_write.default: paged_kv_write,
+        torch.ops.dflash.block_attention.default: block_attention,
+    }
+
+
+# Run in a fresh interpreter without TRITON_INTERPRET (this module runs the interpreter): fake CUDA tensors need
+# no GPU, and make_fx records the wrap_triton launches. The HOPs' mutation analysis compiles each kernel to TTIR
+# for the active driver's target; with no GPU there is no driver, so a stand-in names an sm_90 target (without
+# it the analysis gives up and assumes every input is written: correct, but Inductor would clone the pool).
+_FAKE_CUDA_TRACE = """
+import json
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+from dflash_compile.lowerings import ops  # noqa: F401  (defines the ops)
+from dflash_compile.lowerings.triton import cuda_lowerings
+
+
+class _TargetOnlyDriver:
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+
+if not torch.cuda.is_available():
+    triton.runtime.driver.set_active(_TargetOnlyDriver())
+
+
+# Tensor indexing (``t[0]``) of a fake CUDA tensor needs a CUDA build of torch: select() does not.
+def step(ctx, weight, k_norm_weight, cos, sin, k_pool, v_pool, slots, q, block_table, ctx_lens, q_positions):
+    k, v = torch.ops.dflash.fused_kv_proj(ctx, weight, k_norm_weight, cos, sin, 1e-6)  # [L, N, Hkv, D]
+    torch.ops.dflash.paged_kv_write(k_pool, slots, k)
+    torch.ops.dflash.paged_kv_write(v_pool, slots, v)
+    k_block, v_block = (x.select(0, 0).transpose(0, 1).unsqueeze(0) for x in (k, v))  # layer 0: [1, Hkv, N, D]
+    out = torch.ops.dflash.block_attention(
+        q, k_pool.select(0, 0), v_pool.select(0, 0), block_table, ctx_lens, q_positions, k_block, v_block,
+        4, True, 0, 0.125,
+    )
+    return out, k_pool.sum()  # reads the pools after the writes
+
+
+L, N, Hkv, D, H, G, S = 2, 3, 2, 64, 32, 2, 40
+with FakeTensorMode():
+    c = lambda *shape, dtype=torch.float16: torch.empty(*shape, device="cuda", dtype=dtype)
+    args = (
+        c(N, H), c(2 * L * Hkv * D, H), c(L, D), c(N, D), c(N, D), c(L, S, Hkv, D), c(L, S, Hkv, D),
+        c(N, dtype=torch.long), c(1, Hkv * G, N, D), c(1, 5, dtype=torch.long), c(1, dtype=torch.long),
+        c(1, N, dtype=torch.long),
+    )
+ops_gm = make_fx(step, pre_dispatch=True, tracing_mode="fake")(*args)
+lowered = make_fx(ops_gm, decomposition_table=cuda_lowerings(), pre_dispatch=True, tracing_mode="fake")(*args)
+functional = make_fx(torch.func.functionalize(lowered, remove="mutations_and_views"), tracing_mode="fake")(*args)
+targets = lambda gm: [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+print(json.dumps(dict(
+    ops=targets(ops_gm),
+    lowered=targets(lowered),
+    clones=[n.kwargs["tensors_to_clone"] for n in functional.graph.nodes if "tensors_to_clone" in n.kwargs],
+)))
+"""
+
+
+def test_cuda_lowerings_trace_with_fake_cuda_tensors():
+    """make_fx with the table turns every dflash op into Triton HOPs without a GPU; each writes only its outputs."""
+    import json
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _FAKE_CUDA_TRACE], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "assuming every input is mutated" not in proc.stderr, proc.stderr[-3000:]
+    graphs = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert sum(t.startswith("dflash.") for t in graphs["ops"]) == 4
+    assert not [t for t in graphs["lowered"] if "dflash" in t]
+    assert graphs["lowered"].count("triton_kernel_wrapper_mutation") == 4
+    # fused_kv_proj writes K and V, paged_kv_write only the pool (twice), block_attention only its output
+    assert graphs["clones"] == [["k_ptr", "v_ptr"], ["pool_ptr"], ["pool_ptr"], ["out_ptr"]]
+
+
+def _lowering_cases():
+    gen = torch.Generator().manual_seed(12)
+    dtype = torch.float16
+    L, N, Hkv, D, H = 2, 3, 2, 64, 48
+    ctx = torch.randn(N, H, generator=gen).to(dtype)
+    weight = (torch.randn(2 * L * Hkv * D, H, generator=gen) / H**0.5).to(dtype)
+    k_norm_weight = (torch.rand(L, D, generator=gen) + 0.5).to(dtype)
+    cos, sin = (t.to(dtype) for t in _rope(N, D, gen))
+    attention = _attention_inputs(3, 2, 2, 5, 64, 4, 6, True, dtype, gen)
+    pool = torch.randn(2, 23, Hkv, D, generator=gen).to(dtype)
+    slots = torch.tensor([5, -1, 0, -10, 12])
+    values = torch.randn(2, len(slots), Hkv, D, generator=gen).to(dtype)
+    return {
+        "fused_kv_proj": (
+            lambda *a: torch.ops.dflash.fused_kv_proj(*a, 1e-6), [ctx, weight, k_norm_weight, cos, sin]
+        ),
+        "paged_kv_write": (_write_then_read, [pool, slots, values]),
+        "block_attention": (
+            lambda *a: torch.ops.dflash.block_attention(*a, 4, True, 3, 0.125),
+            [attention[k] for k in ("q", "k_pool", "v_pool", "block_table", "ctx_lens", "q_positions")]
+            + [attention["k_block"], attention["v_block"]],
+        ),
+    }
+
+
+def _write_then_read(pool, slots, values):
+    torch.ops.dflash.paged_kv_write(pool, slots, values)
+    return pool.float().sum(-1)  # [*lead, num_slots, Hkv]: must see the writes
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="needs a CUDA device: Inductor compiles the traced Triton kernels for it (the fake-CUDA trace test "
+    "covers the tracing without one)",
+)
+@pytest.mark.parametrize("op", ["fused_kv_proj", "paged_kv_write", "block_attention"])
+def test_cuda_lowering_compiles_with_inductor(op):
+    """dynamo graph -> the table (make_fx) -> Inductor, as the backend does: Triton HOPs, no dflash op, same values."""
+    from torch._inductor.compile_fx import compile_fx
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    fn, args = _lowering_cases()[op]
+    expected_args = [a.float() if a.is_floating_point() else a.clone() for a in args]  # fp32 reference, on CPU
+    expected = fn(*expected_args)
+    lowered = []
+
+    def backend(gm, example_inputs):
+        with torch._guards.tracing(None):
+            gm = make_fx(gm, decomposition_table=cuda_lowerings(), pre_dispatch=True, tracing_mode="fake")(
+                *example_inputs
+            )
+        lowered.append(gm)
+        return compile_fx(gm, example_inputs)
+
+    cuda_args = [a.to("cuda") for a in args]
+    actual = torch.compile(fn, backend=backend, fullgraph=True)(*cuda_args)
+    targets = [str(n.target) for gm in lowered for n in gm.graph.nodes if n.op == "call_function"]
+    assert "triton_kernel_wrapper_mutation" in targets
+    assert not [t for t in targets if "dflash" in t]
+    as_tuple = lambda x: x if isinstance(x, tuple) else (x,)  # noqa: E731
+    for a, e in zip(as_tuple(actual), as_tuple(expected), strict=True):
+        _assert_close(a, e, 5e-3, 5e-3)
+    if op == "paged_kv_write":
+        _assert_close(cuda_args[0], expected_args[0], 0, 0)  # the pool itself was written

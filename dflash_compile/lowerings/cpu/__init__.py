@@ -1,19 +1,27 @@
-"""CPU kernels for the DFlash custom ops where plain torch can do better than the oracle in ``ops.py``."""
+"""CPU lowerings of the DFlash custom ops: each op as plain ATen that Inductor compiles into C++.
+
+``cpu_lowerings()`` is the table the backends trace into the step graph in place of the ops (see
+``lowerings.lower``), so a compiled CPU step runs no Python-implemented op. ``fused_kv_proj`` and
+``paged_kv_write`` lower to their references (plain torch already: one linear with a norm/RoPE epilogue, one
+``index_put_``); ``block_attention`` to ``block_attention.py``.
+"""
 
 from __future__ import annotations
 
-import functools
 
-
-@functools.cache
-def register_cpu_kernels() -> None:
-    """Register the CPU kernels as the CPU implementations of the ``dflash`` ops (idempotent)."""
+def cpu_lowerings() -> dict:
+    """``{op overload: implementation}`` for CPU graphs."""
     import torch
 
-    from .. import ops  # noqa: F401  (defines the ops)
+    from .. import ops
     from .block_attention import block_attention
 
-    torch.library.register_kernel("dflash::block_attention", "cpu", block_attention)
+    d = torch.ops.dflash
+    return {
+        d.fused_kv_proj.default: ops._fused_kv_proj_reference,
+        d.paged_kv_write.default: ops._paged_kv_write_reference,
+        d.block_attention.default: block_attention,
+    }
 
 
-__all__ = ["register_cpu_kernels"]
+__all__ = ["cpu_lowerings"]

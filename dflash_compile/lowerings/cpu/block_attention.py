@@ -1,16 +1,17 @@
-"""CPU kernel for ``dflash::block_attention``: length-adaptive paged attention on top of SDPA.
+"""CPU lowering of ``dflash::block_attention``: the op as plain ATen, for Inductor to compile into C++.
 
-The step is static-shaped, so eager code (and the oracle in ``ops.py``) attends over every position a block
-table can hold. Inside the op, running eagerly on the host, the longest live context is known: this kernel
-gathers only the KV blocks up to it and runs the fused CPU SDPA kernel with native GQA. Keys no query sees
-are zeroed, so garbage (even NaN) in the pool at masked slots cannot reach the output; a query that sees no
-key returns zeros (SDPA would return NaN).
+The backend traces this function into the step graph in place of the op (``lowerings.lower``), so the compiled
+step never calls back into Python for attention. It walks exactly the context the block table spans: the step
+hands each graph the table of its context-length bucket, so the cost follows the live context with no host
+read. GQA runs without repeating K/V: the ``G = Hq // Hkv`` query heads of a KV head are stacked on the query
+dim (``[B, Hkv, G * T, D]``). Keys no query sees are zeroed, so garbage (even NaN) in the pool at masked slots
+cannot reach the output; a query that sees no key returns zeros (SDPA would return NaN). Half-precision inputs
+accumulate in fp32.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from ..ops import block_attention_mask
@@ -32,21 +33,24 @@ def block_attention(
 ) -> Tensor:
     """CPU implementation of :func:`dflash_compile.lowerings.ops.block_attention` (same contract)."""
     B, Hq, T, D = q.shape
-    if q.numel() == 0:
-        return q.new_empty(q.shape)
-    longest = int(ctx_lens.max().clamp(min=0))  # a host read: free on CPU, and the point of this kernel
-    num_blocks = min(-(-longest // page_size), block_table.shape[1])
-    S = num_blocks * page_size
-    table = block_table[:, :num_blocks].clamp(min=0)  # entries past a row's length are masked below
-    slots = (table[:, :, None] * page_size + torch.arange(page_size, device=q.device)).reshape(B, S)
-    k = k_pool[slots].transpose(1, 2)  # [B, Hkv, S, D]
-    v = v_pool[slots].transpose(1, 2)
+    Hkv = k_pool.shape[-2]
+    G = Hq // Hkv
+    S = block_table.shape[1] * page_size
+    offsets = torch.arange(page_size, device=q.device)
+    slots = (block_table.clamp(min=0)[:, :, None] * page_size + offsets).reshape(B, S)  # unallocated: masked below
+    k, v = k_pool[slots], v_pool[slots]  # [B, S, Hkv, D]
     if k_block is not None:
-        k, v = torch.cat([k, k_block], dim=2), torch.cat([v, v_block], dim=2)
+        k = torch.cat([k, k_block.transpose(1, 2)], dim=1)  # [B, S + T, Hkv, D]
+        v = torch.cat([v, v_block.transpose(1, 2)], dim=1)
     visible = block_attention_mask(ctx_lens, q_positions, S, T if k_block is not None else 0, causal, window)
-    used = visible.any(1)[:, None, :, None]  # [B, 1, K, 1]: keys some query sees
-    k, v = torch.where(used, k, 0.0), torch.where(used, v, 0.0)
-    out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=visible[:, None], scale=scale, enable_gqa=k.shape[1] != Hq
-    )
-    return torch.where(visible.any(-1)[:, None, :, None], out, 0.0).contiguous()
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    used = visible.any(1)[:, :, None, None]  # [B, K, 1, 1]: keys some query sees
+    k = torch.where(used, k, 0.0).to(acc).permute(0, 2, 3, 1)  # [B, Hkv, D, K]
+    v = torch.where(used, v, 0.0).to(acc).transpose(1, 2)  # [B, Hkv, K, D]
+    qg = q.to(acc).reshape(B, Hkv, G * T, D)  # query heads of one KV head stacked: h = kv * G + g
+    scores = (qg @ k) * scale  # [B, Hkv, G * T, K]
+    mask = visible[:, None, None].expand(B, 1, G, T, visible.shape[-1]).reshape(B, 1, G * T, -1)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    probs = torch.where(mask.any(-1, keepdim=True), probs, 0.0)  # a query with no visible key -> zeros
+    return (probs @ v).reshape(B, Hq, T, D).to(q.dtype)

@@ -1,8 +1,10 @@
 """NKI kernel for ``dflash::paged_kv_write``: scatter rows into a paged pool by indirect DMA.
 
 Rows go HBM -> SBUF in tiles of up to 128 (one row per partition), then SBUF -> HBM with the destination
-addressed through a per-partition vector of slots (``.ap(vector_offset=...)``). A negative slot is out of
-bounds, and ``oob_mode=skip`` drops that row, so padded rows cost nothing and write nothing.
+addressed through a per-partition vector of slots (``.ap(vector_offset=...)``). Slots index as torch indexes:
+the launcher wraps a slot in ``[-num_slots, 0)`` to ``slot + num_slots`` (slot -1 is the pool's last slot)
+before offsetting it by the leading index. A slot outside ``[-num_slots, num_slots)`` (the reference raises an
+IndexError) becomes -1, out of bounds, and ``oob_mode=skip`` drops that row rather than writing elsewhere.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ nl = nisa = None  # bound by _kernel(): importing this module never needs the Ne
 
 
 def _paged_kv_write_kernel(pool, slots, values):
-    """``pool [R, F]`` (written in place), ``slots [Lp, N]`` int32 rows of ``pool`` (< 0: skip),
+    """``pool [R, F]`` (written in place), ``slots [Lp, N]`` int32 rows of ``pool`` (out of range: skip),
     ``values [Lp * N, F]``."""
     R, F = pool.shape
     Lp, N = slots.shape
@@ -55,7 +57,9 @@ def _launch(pool: Tensor, slots: Tensor, values: Tensor) -> None:
     values = values.expand(*pool.shape[:-3], N, *pool.shape[-2:]).reshape(Lp * N, F)
     # lead l of the pool is rows [l * num_slots, (l + 1) * num_slots) of a [Lp * num_slots, F] view
     lead = torch.arange(Lp, device=slots.device)[:, None] * num_slots
-    rows = torch.where(slots[None, :] >= 0, slots[None, :] + lead, -1).to(torch.int32)  # [Lp, N]
+    wrapped = torch.where(slots < 0, slots + num_slots, slots)  # [N] torch indexing: -1 is the last slot
+    in_range = (wrapped >= 0) & (wrapped < num_slots)
+    rows = torch.where(in_range[None, :], wrapped[None, :] + lead, -1).to(torch.int32)  # [Lp, N]
     target = pool if pool.is_contiguous() else pool.contiguous()
     _runtime.launch(_kernel(), target.view(Lp * num_slots, F), rows, values.contiguous(), inout=(0,))
     if target is not pool:

@@ -6,6 +6,10 @@ are the ``G = Hq // Hkv`` query heads sharing ``g`` times the ``T`` block querie
 walked in tiles of ``BLOCK_N`` positions whose K/V rows are gathered from the pools through the block table;
 then the ``T`` block keys. Softmax is online (running max and sum in fp32). Keys that no row of the tile may
 see are never loaded, so garbage (even NaN) in the pool at masked slots cannot reach the output.
+
+The launcher depends on shapes only (context lengths are read by the kernel, bounded by the static
+``block_table.shape[1] * page_size``) and launches through ``torch.library.wrap_triton``, so tracing
+:func:`block_attention` with make_fx records a ``triton_kernel_wrapper_mutation`` node that Inductor compiles.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from torch.library import wrap_triton
 
 _LOG2E = 1.4426950408889634
 
@@ -138,7 +143,7 @@ def _launch(
     kb_strides = (kb.stride(0), kb.stride(1), kb.stride(2), kb.stride(3))
     vb_strides = (vb.stride(0), vb.stride(1), vb.stride(2), vb.stride(3))
     grid = (B, Hkv, triton.cdiv(G * T, block_m))
-    _kernel[grid](
+    wrap_triton(_kernel)[grid](
         q, k_pool, v_pool, block_table, ctx_lens, q_positions, kb, vb, out,
         *q.stride(),
         *k_pool.stride(),

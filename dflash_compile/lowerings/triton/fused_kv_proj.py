@@ -6,6 +6,9 @@ only match. The kernel then reads that ``[N, 2, L, Hkv, D]`` result once: one pr
 ``n``, layer ``l`` and tile of ``BLOCK_H`` KV heads normalises K over ``D`` (statistics in fp32), scales it
 by ``k_norm_weight[l]``, applies RoPE, and writes K and V as ``[L, N, Hkv, D]``. The partner half of each K
 row for the rotation is re-read from memory (same cache lines) rather than shuffled in registers.
+
+The launch goes through ``torch.library.wrap_triton``: tracing :func:`fused_kv_proj` with make_fx records an
+``aten.linear`` and a ``triton_kernel_wrapper_mutation`` node that Inductor compiles.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from torch.library import wrap_triton
 
 
 @triton.jit
@@ -74,7 +78,7 @@ def _launch(ctx, weight, k_norm_weight, cos, sin, eps):
     block_d = triton.next_power_of_2(D)
     block_h = min(triton.next_power_of_2(Hkv), max(1, 2048 // block_d))
     grid = (N, L, triton.cdiv(Hkv, block_h))
-    _kernel[grid](
+    wrap_triton(_kernel)[grid](
         kv, k_norm_weight, cos, sin, k, v,
         *kv.stride(),
         *k_norm_weight.stride(),

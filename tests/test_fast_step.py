@@ -1,0 +1,162 @@
+"""The compiled step that pays for itself: no Python op and no host read inside it, context buckets, a bounded
+number of graphs over a long generation, batched prefill, persistent batch state."""
+
+from collections import Counter
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from dflash_compile import DFlashDraftModel, DFlashSpecWrapper
+from dflash_compile.backends import dflash_backend, dflash_passes, lower
+from dflash_compile.generation import resolve_generation_args
+from dflash_compile.spec_wrapper import _Batch, _context_pages, _Request
+from tiny_models import VOCAB, tiny_target
+
+PAD = VOCAB - 2
+
+
+def _prompts(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB - 2, (n,), generator=g).tolist() for n in lengths]
+
+
+def _pair(family="qwen3", layers=2, **kw):
+    target = tiny_target(family, num_hidden_layers=layers)
+    draft = DFlashDraftModel.from_target(target, num_layers=2, block_size=4, target_layer_ids=[0, layers - 1], seed=0)
+    return target, draft, DFlashSpecWrapper(target, draft, **kw)
+
+
+def _reference(target, prompt, max_new):
+    return target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new)[0, len(prompt):].tolist()
+
+
+class _OpRecorder(TorchDispatchMode):
+    """Every op that reaches the dispatcher while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.name()] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_compiled_cpu_step_runs_no_python_op_and_reads_nothing_on_the_host():
+    # The recorder wraps what the dflash backend returns, so it sees every op the compiled step dispatches at run
+    # time (Inductor's own C++ kernels do not dispatch at all). A Python-implemented custom op would show here as a
+    # `dflash::` op, a host read as `aten::_local_scalar_dense`.
+    target, draft, spec = _pair(max_batch_size=2, batch_buckets=(2,), max_seq_len=32, page_size=8)
+    _, _, eager = _pair(max_batch_size=2, batch_buckets=(2,), max_seq_len=32, page_size=8)
+    recorder, calls = _OpRecorder(), []
+
+    def recording_backend(gm, example_inputs):
+        compiled = dflash_backend(gm, example_inputs)
+
+        def run(*args):
+            calls.append(1)
+            with recorder:
+                return compiled(*args)
+
+        return run
+
+    torch._dynamo.reset()
+    spec.compile(backend=recording_backend, fullgraph=True)
+    prompts = _prompts([3, 11])
+    out = spec.generate(prompts, max_new_tokens=10, pad_token_id=PAD)
+    assert torch.equal(out, eager.generate(prompts, max_new_tokens=10, pad_token_id=PAD))
+    assert calls, "the compiled step never ran"
+    assert not [op for op in recorder.ops if not op.startswith("aten::")], recorder.ops
+    assert "aten::_local_scalar_dense" not in recorder.ops and "aten::item" not in recorder.ops
+
+
+def test_lowered_cpu_graph_has_no_dflash_op():
+    # The pre-Inductor graph keeps the ops (dumps, counters); the lowered one handed to Inductor has none left.
+    _, _, spec = _pair(max_batch_size=2, batch_buckets=(2,), max_seq_len=32, page_size=8)
+    seen = {}
+
+    def capture(gm, example_inputs):
+        passed = dflash_passes(gm, example_inputs)
+        lowered = lower(passed, example_inputs)
+        for name, g in (("passed", passed), ("lowered", lowered)):
+            seen[name] = Counter(str(n.target) for n in g.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    torch._dynamo.reset()
+    spec.compile(backend=capture, fullgraph=True)
+    spec.generate(_prompts([3, 5]), max_new_tokens=6, pad_token_id=PAD)
+    dflash_ops = lambda census: {k: v for k, v in census.items() if k.startswith("dflash.")}  # noqa: E731
+    assert dflash_ops(seen["passed"]) == {
+        "dflash.block_attention.default": 4, "dflash.fused_kv_proj.default": 1, "dflash.paged_kv_write.default": 3,
+    }
+    assert dflash_ops(seen["lowered"]) == {}
+    assert seen["lowered"]["aten.index_put_.default"] == 3  # the scatters, now plain in-place ATen
+    for census in seen.values():
+        assert not {"aten._local_scalar_dense.default", "aten.item.default"} & set(census)
+
+
+def test_context_buckets():
+    assert _context_pages(None, 2048, 16) == (8, 16, 32, 64, 128)  # 128, 256, 512, 1024, 2048 tokens
+    assert _context_pages(None, 100, 16) == (7,)  # capacity below the first default bucket
+    assert _context_pages((20, 64, 5000), 96, 16) == (2, 4, 6)  # rounded up to pages, capped, capacity added
+    with pytest.raises(ValueError, match="positive token counts"):
+        _context_pages((0, 16), 64, 16)
+    _, _, spec = _pair(max_batch_size=2, max_seq_len=256, page_size=8, context_buckets=(32, 64))
+    assert spec.context_buckets == (4, 8, 32)
+    assert [spec._context_bucket(n) for n in (1, 32, 33, 64, 65, 256, 999)] == [4, 4, 8, 8, 32, 32, 32]
+
+
+def test_step_attends_over_its_context_bucket_not_the_capacity():
+    # The eager step too: its block table (and so every gather and mask) spans the bucket of the live rows.
+    _, _, spec = _pair(max_batch_size=4, max_seq_len=512, page_size=8, context_buckets=(16, 64))
+    cache = spec.kv_cache()
+    batch = _Batch(spec.max_batch_size, spec.block_size, cache.blocks_per_seq, cache.device)
+    requests = [_Request(i, p) for i, p in enumerate(_prompts([5, 9, 3]))]
+    spec._admit(batch, requests, cache, resolve_generation_args(spec.target, 9, dict(max_new_tokens=50)))
+    bucket, inputs = spec._step_inputs(batch, cache)
+    block, seq_lens, tables, active = inputs[:4]
+    assert bucket == 4 and tables.shape == (4, 2)  # 9 + 4 positions -> the 16-token bucket: 2 pages of 8
+    assert seq_lens.tolist() == [5, 9, 3, 0] and active.tolist() == [True, True, True, False]
+
+
+def test_long_generation_compiles_a_bounded_number_of_graphs():
+    target, draft, spec = _pair(max_batch_size=2, batch_buckets=(1, 2), max_seq_len=160, page_size=8,
+                                context_buckets=(32, 64))
+    _, _, eager = _pair(max_batch_size=2, batch_buckets=(1, 2), max_seq_len=160, page_size=8,
+                        context_buckets=(32, 64))
+    graphs = []
+
+    def counting(gm, example_inputs):
+        long2d = [t for t in example_inputs if isinstance(t, torch.Tensor) and t.dtype == torch.long and t.dim() == 2]
+        graphs.append(max(tuple(t.shape) for t in long2d))  # the block table: [rows, pages] (the block is [rows, 4])
+        return gm.forward
+
+    torch._dynamo.reset()
+    spec.compile(backend=counting, fullgraph=True)
+    prompt = _prompts([6])[0]
+    out = spec.generate([prompt], max_new_tokens=140)
+    assert out[0, 6:].tolist() == _reference(target, prompt, 140)  # one row crossing every context bucket
+    assert sorted(graphs) == [(1, 4), (1, 8), (1, 20)]  # batch bucket 1 x context buckets 32, 64, 160 tokens
+    with torch.compiler.set_stance("fail_on_recompile"):  # warm: another long generation compiles nothing
+        again = spec.generate([_prompts([9], seed=1)[0]], max_new_tokens=140)
+    assert torch.equal(again, eager.generate([_prompts([9], seed=1)[0]], max_new_tokens=140))
+    assert len(graphs) == 3
+
+
+def test_requests_arriving_together_are_prefilled_in_one_forward():
+    target, _, spec = _pair(max_batch_size=4, max_seq_len=64, page_size=8)
+    prefill_shapes = []
+    handle = target.register_forward_pre_hook(
+        lambda module, args, kwargs: prefill_shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
+    )
+    prompts = _prompts([4, 13, 7, 2, 9, 5])
+    try:
+        out = spec.generate(prompts, max_new_tokens=6, pad_token_id=PAD, return_dict_in_generate=True)
+    finally:
+        handle.remove()
+    width = out.prompt_width
+    assert [out.sequences[i, width:].tolist() for i in range(6)] == [_reference(target, p, 6) for p in prompts]
+    # The first four arrive together: one [4, 13] left-padded prefill; the rest join as rows free up.
+    assert prefill_shapes[0] == (4, 13)
+    assert sum(1 for s in prefill_shapes if s[1] != spec.block_size) <= 3
