@@ -484,7 +484,6 @@ class DFlashSpecWrapper(nn.Module):
     def _run(self, requests: list[_Request], args: GenerationArgs, device) -> None:
         cache = self.kv_cache()
         batch = _Batch(self.max_batch_size, self.block_size, cache.blocks_per_seq, device)
-        self._batch = batch
         waiting = deque(requests)
         compiled = getattr(self, "_compiled_call_impl", None) is not None
         limit = len(self.batch_buckets) * len(self.context_buckets) * 2  # (batch, context) x (greedy, sampled)
