@@ -138,6 +138,7 @@ class _Batch:
         self.top_k = torch.zeros(num_rows, **long)
         self.top_p = torch.ones(num_rows, device=device)
         self.draft_probs: torch.Tensor | None = None  # [num_rows, B-1, V], allocated when sampling
+        self.warm: set[tuple] = set()  # step keys (batch bucket, context pages, sampled) already run
 
     def clear_row(self, i: int) -> None:
         self.block[i] = 0
@@ -485,12 +486,13 @@ class DFlashSpecWrapper(nn.Module):
         cache = self.kv_cache()
         batch = _Batch(self.max_batch_size, self.block_size, cache.blocks_per_seq, device)
         waiting = deque(requests)
-        compiled = getattr(self, "_compiled_call_impl", None) is not None
-        limit = len(self.batch_buckets) * len(self.context_buckets) * 2  # (batch, context) x (greedy, sampled)
+        compiled = self._compiled_call_impl is not None
+        # Each (batch bucket, context bucket, sampled) key is one static graph, and every wrapper shares forward's
+        # code object, hence one dynamo cache: lift the per-code-object limit to dynamo's overall one.
+        cfg = torch._dynamo.config
         settings = (
-            torch._dynamo.config.patch(
-                recompile_limit=max(limit, torch._dynamo.config.recompile_limit), automatic_dynamic_shapes=False
-            )
+            cfg.patch(recompile_limit=max(cfg.recompile_limit, cfg.accumulated_recompile_limit),
+                      automatic_dynamic_shapes=False)
             if compiled else contextlib.nullcontext()
         )
         with settings:
@@ -504,10 +506,14 @@ class DFlashSpecWrapper(nn.Module):
         """One speculative step of the running rows: one call of ``forward``, one host read."""
         B, rows = self.block_size, batch.rows
         bucket, step_inputs = self._step_inputs(batch, cache)
-        if args.do_sample:
-            tokens, num_accepted, next_block, next_probs = self(*step_inputs, self._sampling(batch, bucket))
-        else:
-            tokens, num_accepted, next_block, next_probs = self(*step_inputs)
+        sampling = (self._sampling(batch, bucket),) if args.do_sample else ()
+        # A key that already ran in this generate() has its compiled graph in dynamo's cache: only the guards that
+        # tell the cached graphs apart need to run (one graph per key, told apart by the inputs' shapes).
+        key = (bucket, step_inputs[2].shape[1], args.do_sample)
+        warm = key in batch.warm and self._compiled_call_impl is not None
+        with torch.compiler.set_stance(skip_guard_eval_unsafe=True) if warm else contextlib.nullcontext():
+            tokens, num_accepted, next_block, next_probs = self(*step_inputs, *sampling)
+        batch.warm.add(key)
         batch.block[:bucket] = next_block
         batch.seq_lens[:bucket] += num_accepted + batch.active[:bucket]
         if next_probs is not None:

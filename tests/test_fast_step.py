@@ -160,3 +160,22 @@ def test_requests_arriving_together_are_prefilled_in_one_forward():
     # The first four arrive together: one [4, 13] left-padded prefill; the rest join as rows free up.
     assert prefill_shapes[0] == (4, 13)
     assert sum(1 for s in prefill_shapes if s[1] != spec.block_size) <= 3
+
+
+def test_warm_steps_skip_only_guards_that_cannot_fail():
+    # Warm keys run with dynamo's skip_guard_eval_unsafe stance (only the guards that tell cached graphs apart).
+    # Two wrappers over different targets share forward's code object, hence one dynamo cache: interleaved, each
+    # must still get its own graphs, greedy and sampled, and equal eager.
+    pairs = [_pair("qwen3", max_batch_size=2, max_seq_len=64, page_size=8, context_buckets=(16,)),
+             _pair("llama", layers=3, max_batch_size=2, max_seq_len=64, page_size=8, context_buckets=(16,))]
+    prompts = _prompts([5, 12])
+    kw = dict(max_new_tokens=24, pad_token_id=PAD)
+    sampled = dict(kw, do_sample=True, temperature=0.8, seed=[3, 4])
+    expected = [(spec.generate(prompts, **kw), spec.generate(prompts, **sampled)) for _, _, spec in pairs]
+    torch._dynamo.reset()
+    for _, _, spec in pairs:
+        spec.compile(backend="eager", fullgraph=True)
+    for _ in range(2):
+        for (_, _, spec), (greedy, sample) in zip(pairs, expected):
+            assert torch.equal(spec.generate(prompts, **kw), greedy)
+            assert torch.equal(spec.generate(prompts, **sampled), sample)
