@@ -27,8 +27,9 @@ Methods (``--methods``, default all):
 Batch size ``b`` runs the first ``--num-prompts`` HumanEval prompts in left-padded groups of ``b`` (the last
 group may be smaller); tokens/s = all new tokens (up to and including eos) / all time. HF's speculative
 methods support batch 1 only: at larger batches they are tried once and the error HF raises is reported.
-Every timed figure is the median of ``--repeats`` passes over all groups, after one full untimed warm-up
-pass of that method (compiles included). Every method's output is checked token for token against
+Per batch size, every method first gets one full untimed warm-up pass (compiles included); then ``--repeats``
+rounds each time one pass of every method in turn (so a drift in the machine's speed hits all methods alike),
+and each figure is the median over the rounds. Every method's output is checked token for token against
 ``target.generate`` greedy at batch 1. Acceptance length = 1 + accepted drafts / draft steps (ours: from the
 output object; HF's speculative methods: counted on the warm-up pass by wrapping the candidate generator,
 same definition, drafts compared with the target's argmax before HF trims them at eos / max length).
@@ -238,6 +239,10 @@ def phase_profile(target, draft, encs: list[dict], args, repeats: int = 50) -> d
 
         return run
 
+    # Several wrappers and phase functions compiled in one process: dynamo's per-code-object limit must not bite
+    # (generate() lifts it itself; the direct calls below do not go through generate()).
+    cfg = torch._dynamo.config
+    cfg.recompile_limit = max(cfg.recompile_limit, cfg.accumulated_recompile_limit)
     spec = DFlashSpecWrapper(target, draft, max_batch_size=1)
     spec.compile(backend=timed_backend, fullgraph=True)
     clock = {"call": 0.0, "admit": 0.0}
@@ -385,13 +390,20 @@ def run(args) -> dict:
         "hf_assisted": hf(assistant_model=assistant),
         **{name: ours(spec) for name, spec in specs.items()},
     }
-    results, phases = {}, None
+    # Per batch size: one full untimed warm-up pass of every method, compiles included (instrumented for HF's
+    # speculative loops); then rounds, each timing one pass of every method in turn, so a drift in the machine's
+    # speed (shared machines) hits every method alike; each figure is the median over the rounds. (Batch sizes are
+    # not interleaved: HF's compile path recompiles, and goes dynamic, when the batch size changes.)
+    results, phases, runs = {}, None, {}
     for name in methods:
         if name in skip:
             results.update({f"{name}@bs{bs}": {"skipped": skip[name]} for bs in batch_sizes})
-            continue
-        fn = fns[name]
-        for bs in batch_sizes:
+    for bs in batch_sizes:
+        at_bs = {}
+        for name in methods:
+            if name in skip:
+                continue
+            fn = fns[name]
             key = f"{name}@bs{bs}"
             groups = [texts[i : i + bs] for i in range(0, len(texts), bs)]
             encs = [tok(g, return_tensors="pt", padding=True) for g in groups]
@@ -403,7 +415,6 @@ def run(args) -> dict:
                     results[key] = {"skipped": f"HF: {type(e).__name__}: {e}"}
                     print(key, "skipped:", e, flush=True)
                     continue
-            # warm-up: one full untimed pass (compiles included), instrumented for HF's speculative loops
             counter = HFSpecCounter()
             graphs_per_call = []
             t0 = time.perf_counter()
@@ -412,39 +423,45 @@ def run(args) -> dict:
                     g0 = _graphs()
                     fn(enc)
                     graphs_per_call.append(_graphs() - g0)
-            warmup_s = time.perf_counter() - t0
-            g0 = _graphs()
-            times = []
-            for _ in range(args.repeats):
+            at_bs[key] = dict(name=name, fn=fn, encs=encs, counter=counter, graphs_per_call=graphs_per_call,
+                              warmup_s=time.perf_counter() - t0, times=[])
+            print(key, f"warm ({at_bs[key]['warmup_s']:.1f} s)", flush=True)
+        for _ in range(args.repeats):
+            for run in at_bs.values():
+                g0 = _graphs()
                 t0 = time.perf_counter()
-                outs = [fn(enc) for enc in encs]
-                times.append(time.perf_counter() - t0)
-            seconds = statistics.median(times)
-            rows = [r for (seq, _), enc in zip(outs, encs) for r in _rows(seq, enc["input_ids"].shape[1], eos)]
-            new = sum(len(r) for r in rows)
-            row = {"tok_s": new / seconds, "seconds": seconds, "new_tokens": new, "rows": len(rows),
-                   "identical_to_hf_greedy_bs1": sum(a == b for a, b in zip(rows, reference)),
-                   "warmup_s": warmup_s}
-            if name in ("hf_compiled", "dflash_compiled"):
-                row["graphs_compiled_per_warmup_call"] = graphs_per_call
-                row["graphs_compiled_while_timed"] = _graphs() - g0
-            stats = [o for _, o in outs if o is not None]
-            if stats:  # ours: from the output objects
-                drafts = sum(o.num_drafts for o in stats)
-                k = len(stats[0].num_accepted_tokens_per_pos)
-                row["acceptance_length"] = 1 + sum(o.num_accepted_tokens for o in stats) / max(1, drafts)
-                row["num_drafts"] = drafts
-                row["num_accepted_tokens"] = sum(o.num_accepted_tokens for o in stats)
-                row["per_position_acceptance"] = [
-                    sum(o.num_accepted_tokens_per_pos[i] for o in stats) / max(1, drafts) for i in range(k)
-                ]
-            elif counter.target_forwards:  # HF speculative: counted on the warm-up pass
-                row.update(counter.stats())
-            results[key] = row
-            print(key, {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()
-                        if k != "per_position_acceptance"}, flush=True)
-            if name == "dflash_compiled" and bs == 1:
-                phases = phase_profile(target, draft, encs, args)
+                run["outs"] = [run["fn"](enc) for enc in run["encs"]]
+                run["times"].append(time.perf_counter() - t0)
+                run["graphs_while_timed"] = run.get("graphs_while_timed", 0) + _graphs() - g0
+        runs.update(at_bs)
+    for key, run in runs.items():
+        name, outs, encs = run["name"], run["outs"], run["encs"]
+        seconds = statistics.median(run["times"])
+        rows = [r for (seq, _), enc in zip(outs, encs) for r in _rows(seq, enc["input_ids"].shape[1], eos)]
+        new = sum(len(r) for r in rows)
+        row = {"tok_s": new / seconds, "seconds": seconds, "times": run["times"], "new_tokens": new,
+               "rows": len(rows), "identical_to_hf_greedy_bs1": sum(a == b for a, b in zip(rows, reference)),
+               "warmup_s": run["warmup_s"]}
+        if name in ("hf_compiled", "dflash_compiled"):
+            row["graphs_compiled_per_warmup_call"] = run["graphs_per_call"]
+            row["graphs_compiled_while_timed"] = run["graphs_while_timed"]
+        stats = [o for _, o in outs if o is not None]
+        if stats:  # ours: from the output objects
+            drafts = sum(o.num_drafts for o in stats)
+            k = len(stats[0].num_accepted_tokens_per_pos)
+            row["acceptance_length"] = 1 + sum(o.num_accepted_tokens for o in stats) / max(1, drafts)
+            row["num_drafts"] = drafts
+            row["num_accepted_tokens"] = sum(o.num_accepted_tokens for o in stats)
+            row["per_position_acceptance"] = [
+                sum(o.num_accepted_tokens_per_pos[i] for o in stats) / max(1, drafts) for i in range(k)
+            ]
+        elif run["counter"].target_forwards:  # HF speculative: counted on the warm-up pass
+            row.update(run["counter"].stats())
+        results[key] = row
+        print(key, {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()
+                    if k not in ("per_position_acceptance", "times")}, flush=True)
+    if "dflash_compiled@bs1" in runs and args.phases:
+        phases = phase_profile(target, draft, runs["dflash_compiled@bs1"]["encs"], args)
     return {
         "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
         "torch": torch.__version__,
@@ -476,7 +493,8 @@ def write(report: dict, out: Path) -> None:
     n = report["num_prompts"]
     lines = [
         f"HumanEval prompts ({n}), greedy, up to {report['max_new_tokens']} new tokens, median of "
-        f"{report['repeats']} after one warm-up pass; {report['machine']}, torch {report['torch']}, "
+        f"{report['repeats']} interleaved rounds (every method once per round) after one warm-up pass of each; "
+        f"{report['machine']}, torch {report['torch']}, "
         f"transformers {report['transformers']}. Target {_short(report['target'])}, drafter {_short(report['draft'])}. "
         f"Batch b: the prompts in groups of up to b. hf_compiled: static cache, "
         f"max_cache_len={report['hf_compiled_max_cache_len']}.",
@@ -556,6 +574,7 @@ def main(argv=None):
     p.add_argument("--batch-sizes", default="1,8")
     p.add_argument("--lookup-tokens", type=int, default=10)
     p.add_argument("--assistant", default="build/assistant")
+    p.add_argument("--no-phases", dest="phases", action="store_false", help="skip the per-phase profile")
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = p.parse_args(argv)
     write(run(args), Path(args.out))

@@ -1,8 +1,9 @@
 """DFlashSpecWrapper: a Hugging Face causal LM and a DFlash drafter, generating losslessly together.
 
 ``forward`` is ONE speculative step for a batch bucket — target verify, acceptance, DFlash propose — as plain,
-static-shaped torch over the paged KV pools, with no host synchronisation. ``prefill`` (per request, outside
-``forward``) and ``generate`` (the host loop) drive it.
+static-shaped torch over the paged KV pools, with no host synchronisation. ``prefill`` (the requests that join
+together, in one forward, outside ``forward``) and ``generate`` (the host loop over persistent batch buffers)
+drive it.
 """
 
 from __future__ import annotations
@@ -228,7 +229,9 @@ class DFlashSpecWrapper(nn.Module):
 
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
-    def forward(self, block, seq_lens, block_tables, active, target_pools, draft_pool, sampling: SamplingInputs | None = None):
+    def forward(
+        self, block, seq_lens, block_tables, active, target_pools, draft_pool, sampling: SamplingInputs | None = None
+    ):
         """One speculative step for a batch bucket of ``Bk`` rows.
 
         ``block [Bk, B]`` = each row's bonus token and drafts (at positions ``seq_lens + 0..B-1``),
@@ -497,8 +500,9 @@ class DFlashSpecWrapper(nn.Module):
         )
         with settings:
             while waiting or batch.rows:
-                if waiting and len(batch.rows) < self.max_batch_size:
-                    self._admit(batch, [waiting.popleft() for _ in range(min(len(waiting), self.max_batch_size - len(batch.rows)))], cache, args)
+                free = self.max_batch_size - len(batch.rows)
+                if waiting and free:  # everything that fits joins together: one prefill
+                    self._admit(batch, [waiting.popleft() for _ in range(min(len(waiting), free))], cache, args)
                 if batch.rows:
                     self._step(batch, cache, args)
 
@@ -589,7 +593,8 @@ class DFlashSpecWrapper(nn.Module):
                 batch.do_sample[rows], batch.temperature[rows], batch.top_k[rows], batch.top_p[rows],
                 batch.draft_probs[rows], torch.zeros(len(new), B - 1, device=device), u[:, 0], u[:, 1:],
             )
-        block, probs = self.prefill(ids, lens, batch.tables[rows, :pages], cache.target_pools, cache.draft_pool, sampling)
+        tables = batch.tables[rows, :pages]
+        block, probs = self.prefill(ids, lens, tables, cache.target_pools, cache.draft_pool, sampling)
         batch.block[rows] = block
         if probs is not None:
             batch.draft_probs[rows] = probs
