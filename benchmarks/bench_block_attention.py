@@ -42,6 +42,11 @@ def bench(device, args):
         inputs = _inputs(B, args, device, dtype, gen)
         expected = _block_attention_reference(*inputs)
         row = {"device": device, "dtype": str(dtype).removeprefix("torch."), "B": B}
+        # What the Triton launcher picks for these static shapes on CUDA (bf16), from its pure-Python plan().
+        from dflash_compile.lowerings.triton.block_attention import plan
+
+        max_ctx = args.max_ctx // args.page_size * args.page_size
+        row["triton_plan"] = plan(B, args.hq, args.hkv, args.block, args.head_dim, torch.bfloat16, max_ctx).describe()
         row["eager_ms"], _ = median_ms(lambda: _block_attention_reference(*inputs), args.repeats, device)
         # What a compiled step runs: on CPU the op's lowering (plain ATen, compiled by Inductor into C++); on CUDA
         # Inductor over the reference, beside the Triton kernel.

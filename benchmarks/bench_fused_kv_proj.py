@@ -36,6 +36,9 @@ def bench(device, args):
         inputs = _inputs(N, args, device, dtype, torch.Generator().manual_seed(B))
         k_ref, v_ref = _fused_kv_proj_reference(*inputs)
         row = {"device": device, "dtype": str(dtype).removeprefix("torch."), "B": B, "N": N}
+        from dflash_compile.lowerings.triton.fused_kv_proj import plan  # the Triton launcher's choice on CUDA
+
+        row["triton_plan"] = str(plan(N, args.layers, args.hkv, args.head_dim, torch.bfloat16))
         row["eager_ms"], _ = median_ms(lambda: _fused_kv_proj_reference(*inputs), args.repeats, device)
         compiled = torch.compile(_fused_kv_proj_reference, backend="inductor", dynamic=False)
         row["inductor_ms"], compile_ms = median_ms(lambda: compiled(*inputs), args.repeats, device)

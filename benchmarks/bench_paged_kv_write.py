@@ -39,6 +39,9 @@ def bench(device, args):
         expected = pool.clone()
         _reference(expected, slots, values)
         row = {"device": device, "dtype": str(dtype).removeprefix("torch."), "B": B, "rows": slots.numel()}
+        from dflash_compile.lowerings.triton.paged_kv_write import plan  # the Triton launcher's choice on CUDA
+
+        row["triton_plan"] = str(plan(slots.numel(), 2 * args.layers, args.hkv, args.head_dim))
         row["eager_ms"], _ = median_ms(lambda: _reference(pool, slots, values), args.repeats, device)
         compiled = torch.compile(_reference, backend="inductor", dynamic=False)
         pool.zero_()

@@ -102,6 +102,7 @@ ATTENTION_CASES = _params(
     ("T3-ps16-gqa2-d192-causal", 2, 1, 2, 3, 192, 16, 4, True, True, 0),
     ("T40-ps16-gqa4-d64-rows-over-128", 2, 1, 4, 40, 64, 16, 8, True, True, 0),
     ("T130-ps4-gqa1-d64-queries-over-128", 2, 1, 1, 130, 64, 4, 40, True, True, 9),
+    ("T130-ps16-gqa2-d64-queries-over-128", 1, 1, 2, 130, 64, 16, 10, True, True, 0),
 )
 
 
@@ -187,6 +188,18 @@ def test_paged_kv_write(lead, num_slots, N, pool_dtype, value_dtype):
     assert torch.equal(pool, expected)
 
 
+@pytest.mark.parametrize("case", [pytest.param(None, id=f"{BACKEND}-out-of-range-slots-dropped")])
+def test_paged_kv_write_drops_out_of_range_slots(case):
+    """The reference raises; the kernel drops such rows (sent one past the pool, never as a negative index)."""
+    pool = torch.randn(2, 20, 2, 8)
+    values = torch.randn(2, 3, 2, 8)
+    slots = torch.tensor([3, 20, -21])
+    expected = pool.clone()
+    expected[:, 3] = values[:, 0]
+    paged_kv_write(pool, slots, values)
+    assert torch.equal(pool, expected)
+
+
 @pytest.mark.parametrize("case", [pytest.param(None, id=f"{BACKEND}-noncontiguous-pool")])
 def test_paged_kv_write_noncontiguous_pool(case):
     storage = torch.zeros(20, 2, 2, 8)
@@ -235,6 +248,59 @@ def test_register_without_sdk_returns_false(monkeypatch):
     assert register_neuron_kernels() is False
     for op in ("fused_kv_proj", "paged_kv_write", "block_attention"):
         assert not torch._C._dispatch_has_kernel_for_dispatch_key(f"dflash::{op}", "PrivateUse1")
+
+
+def test_nki_version_floor(monkeypatch):
+    import types
+
+    from dflash_compile.lowerings.nki import _runtime
+
+    assert _runtime.NKI_MIN_VERSION == (0, 5, 0)
+    fake = types.ModuleType("nki")
+    fake.jit = fake.simulate = lambda fn: fn
+    monkeypatch.setattr(_runtime, "import_nki", lambda: (fake, None, None))
+    for version, ok in [("0.4.2", False), ("0.5.0", True), ("0.5.1.dev3", True), ("1.0", True)]:
+        fake.__version__ = version
+        assert _runtime.nki_version(fake) is not None
+        assert _runtime.nki_available() is ok, version
+
+
+def test_logical_nc_config(monkeypatch):
+    from dflash_compile.lowerings.nki import logical_nc_config
+
+    monkeypatch.delenv("NEURON_LOGICAL_NC_CONFIG", raising=False)
+    assert logical_nc_config() == 1  # NKI's default when unset; Trn2's runtime defaults to 2: set it there
+    for value in ("1", "2"):
+        monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", value)
+        assert logical_nc_config() == int(value)
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "4")
+    with pytest.raises(ValueError, match="1 or 2"):
+        logical_nc_config()
+
+
+def test_launch_on_a_device_uses_the_lnc_degree(monkeypatch):
+    from dflash_compile.lowerings.nki import _runtime
+
+    class Kernel:
+        def __getitem__(self, lnc):
+            return lambda *args: ("launched", lnc, len(args))
+
+    meta = torch.empty(2, device="meta")  # any non-CPU tensor takes the device path
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "2")
+    assert _runtime.launch(Kernel(), meta, 3) == ("launched", 2, 2)
+
+
+def test_neuron_device_type_follows_the_renamed_privateuse1_backend():
+    code = (
+        "import torch\n"
+        "from dflash_compile.lowerings.nki import _neuron_device_type\n"
+        "assert _neuron_device_type(torch) == 'privateuseone'\n"
+        "torch.utils.rename_privateuse1_backend('neuron')  # what torch_neuronx does on import\n"
+        "assert _neuron_device_type(torch) == 'neuron'\n"
+        "torch.library.define('dflash_test::f', '(Tensor x) -> Tensor')\n"
+        "torch.library.register_kernel('dflash_test::f', 'neuron', lambda x: x)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_import_does_not_need_nki():

@@ -151,6 +151,97 @@ def test_block_attention_without_visible_keys_is_zero():
     assert torch.equal(out.cpu(), torch.zeros_like(inputs["q"]))
 
 
+def test_block_attention_reads_ctx_lens_through_its_stride():
+    """A non-contiguous ``ctx_lens`` view (every other element of a buffer) is read by its stride."""
+    gen = torch.Generator().manual_seed(9)
+    inputs = _attention_inputs(3, 2, 2, 3, 64, 4, 6, True, torch.float32, gen)
+    buf = torch.full((2 * 3,), 10**6, dtype=inputs["ctx_lens"].dtype)  # the skipped elements would be garbage
+    buf[::2] = inputs["ctx_lens"]
+    inputs["ctx_lens"] = buf[::2]
+    assert inputs["ctx_lens"].stride(0) == 2
+    args = dict(causal=False, window=0, scale=0.125)
+    expected = _attention_reference(inputs, torch.float32, **args)
+    _assert_close(block_attention(**_on(inputs, DEVICE), **args), expected, 2e-5, 2e-5)
+
+
+# (B, Hkv, G, T, D, page_size, NB): GQA, T=1 and T=16 (a block), contexts up to 64 positions
+SPLIT_SHAPES = [
+    pytest.param(3, 2, 1, 1, 64, 4, 16, id="B3-gqa1-T1-D64-ps4"),
+    pytest.param(2, 1, 4, 16, 64, 16, 4, id="B2-gqa4-T16-D64-ps16"),
+    pytest.param(2, 2, 2, 5, 128, 8, 6, id="B2-gqa2-T5-D128-ps8"),
+]
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("with_block", [False, True], ids=["ctx", "ctx+block"])
+@pytest.mark.parametrize("causal, window", [(False, 0), (True, 0), (True, 5), (False, 7)])
+@pytest.mark.parametrize("B, Hkv, G, T, D, page_size, NB", SPLIT_SHAPES)
+@pytest.mark.parametrize("dtype, atol, rtol", [DTYPES[0], DTYPES[1]])
+def test_block_attention_split_context(dtype, atol, rtol, B, Hkv, G, T, D, page_size, NB, causal, window,
+                                       with_block, num_splits):
+    """Flash decoding: the context split over programs plus a combine kernel equals the reference (and no split).
+
+    NaN fills every pool slot no query may see, so a split that reads a masked slot, or a combine that reads a
+    split that saw nothing, shows up."""
+    gen = torch.Generator().manual_seed(B * 100 + T * 10 + NB)
+    inputs = _attention_inputs(B, Hkv, G, T, D, page_size, NB, with_block, dtype, gen)
+    args = dict(causal=causal, window=window, scale=D**-0.5)
+    S = NB * page_size
+    visible = ops.block_attention_mask(inputs["ctx_lens"], inputs["q_positions"], S, 0, causal, window).any(1)
+    pos = torch.arange(S)
+    slots = inputs["block_table"][:, pos // page_size] * page_size + pos % page_size
+    keep = torch.zeros(inputs["k_pool"].shape[0], dtype=torch.bool)
+    keep[slots[visible]] = True
+    for name in ("k_pool", "v_pool"):
+        inputs[name] = inputs[name].masked_fill(~keep[:, None, None], float("nan"))
+    expected = _attention_reference(inputs, dtype, **args)
+    p = block_attention_mod.plan(B, Hkv * G, Hkv, T, D, dtype, S, with_block, num_splits=num_splits)
+    assert (p.num_splits > 1) == (num_splits > 1), p
+    out = block_attention_mod._launch(**_on(inputs, DEVICE), **args, num_splits=num_splits)
+    assert torch.isfinite(out).all()
+    _assert_close(out, expected, atol, rtol)
+
+
+def test_block_attention_plan_splits_long_contexts_of_few_programs():
+    plan = block_attention_mod.plan
+    few = plan(1, 8, 2, 16, 128, torch.bfloat16, 4096)  # 1 * 2 * 2 programs, 4096 positions
+    assert few.reference is None and few.num_splits > 1 and few.num_splits * few.split_span >= 4096
+    assert (few.num_splits - 1) * few.split_span < 4096 and few.split_span % few.block_n == 0
+    assert plan(64, 32, 8, 16, 128, torch.bfloat16, 4096).num_splits == 1  # 64 * 8 * 4 programs: enough
+    assert plan(1, 8, 2, 16, 128, torch.bfloat16, 256).num_splits == 1  # a short context
+    assert plan(1, 8, 2, 16, 128, torch.float16, 4096).num_warps == 8
+    assert plan(1, 8, 2, 1, 64, torch.float16, 4096).num_warps == 4
+    assert "split" in few.describe() and "BLOCK_M=16" in few.describe()
+
+
+@pytest.mark.parametrize("dtype, D, why", [
+    (torch.float64, 64, "fp64"), (torch.float16, 320, "head dim 320"), (torch.float32, 256, "exact fp32"),
+])
+def test_block_attention_unsupported_configs_run_the_reference(dtype, D, why):
+    """fp64, head dims above 256 (shared memory) and fp32 at D=256 (spills) run the exact reference."""
+    p = block_attention_mod.plan(2, 2, 1, 3, D, dtype, 8)
+    assert p.reference and why in p.reference and p.describe().startswith("reference")
+    gen = torch.Generator().manual_seed(2)
+    inputs = _attention_inputs(2, 1, 2, 3, D, 4, 2, True, dtype, gen)
+    args = dict(causal=True, window=0, scale=D**-0.5)
+    expected = _attention_reference(inputs, dtype, **args)
+    out = block_attention(**_on(inputs, DEVICE), **args)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.cpu(), expected, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(block_m=24), "block_m=24"), (dict(block_m=8), "block_m=8"), (dict(block_n=256), "block_n=256"),
+    (dict(block_n=32.0), "block_n=32.0"), (dict(num_splits=0), "num_splits=0"),
+    (dict(block_m=128, block_n=128), "too large"),
+])
+def test_block_attention_rejects_bad_tile_overrides(kwargs, match):
+    gen = torch.Generator().manual_seed(1)
+    inputs = _attention_inputs(2, 1, 2, 3, 256, 4, 2, True, torch.float16, gen)
+    with pytest.raises(ValueError, match=match):
+        block_attention_mod._launch(**inputs, causal=True, window=0, scale=0.1, **kwargs)
+
+
 # ---------------------------------------------------------------------------------------------- paged_kv_write
 @pytest.mark.parametrize("lead", [(), (2,), (2, 3)], ids=["lead0", "lead1", "lead2"])
 @pytest.mark.parametrize("Hkv, D", [(2, 64), (1, 128), (3, 5)])
@@ -245,6 +336,23 @@ def test_fused_kv_proj(dtype, atol, rtol, L, N, Hkv, D):
     _assert_close(v, v_ref, atol, rtol)
 
 
+def test_fused_kv_proj_fp64_is_exact():
+    """The epilogue computes in fp32: fp64 runs the reference instead of being silently rounded."""
+    gen = torch.Generator().manual_seed(12)
+    L, N, Hkv, D, H = 2, 3, 2, 64, 48
+    inputs = (
+        torch.randn(N, H, generator=gen, dtype=torch.float64),
+        torch.randn(2 * L * Hkv * D, H, generator=gen, dtype=torch.float64) / H**0.5,
+        torch.rand(L, D, generator=gen, dtype=torch.float64) + 0.5,
+        *(t.double() for t in _rope(N, D, gen)),
+    )
+    k_ref, v_ref = ops._fused_kv_proj_reference(*inputs, 1e-6)
+    k, v = fused_kv_proj(*(t.to(DEVICE) for t in inputs), 1e-6)
+    assert k.dtype == torch.float64
+    torch.testing.assert_close(k.cpu(), k_ref, atol=0, rtol=0)
+    torch.testing.assert_close(v.cpu(), v_ref, atol=0, rtol=0)
+
+
 def test_fused_kv_proj_strided_rope_tables():
     gen = torch.Generator().manual_seed(1)
     L, N, Hkv, D, H = 2, 3, 2, 64, 32
@@ -286,7 +394,7 @@ def test_cuda_lowerings_cover_every_op_with_the_public_functions():
 # no GPU, and make_fx records the wrap_triton launches. The HOPs' mutation analysis compiles each kernel to TTIR
 # for the active driver's target; with no GPU there is no driver, so a stand-in names an sm_90 target (without
 # it the analysis gives up and assumes every input is written: correct, but Inductor would clone the pool).
-_FAKE_CUDA_TRACE = """
+_FAKE_CUDA_PRELUDE = """
 import json
 import torch
 import triton
@@ -294,7 +402,6 @@ from triton.backends.compiler import GPUTarget
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from dflash_compile.lowerings import ops  # noqa: F401  (defines the ops)
-from dflash_compile.lowerings.triton import cuda_lowerings
 
 
 class _TargetOnlyDriver:
@@ -304,6 +411,11 @@ class _TargetOnlyDriver:
 
 if not torch.cuda.is_available():
     triton.runtime.driver.set_active(_TargetOnlyDriver())
+"""
+
+_FAKE_CUDA_TRACE = _FAKE_CUDA_PRELUDE + """
+from dflash_compile.lowerings.triton import cuda_lowerings
+
 
 
 # Tensor indexing (``t[0]``) of a fake CUDA tensor needs a CUDA build of torch: select() does not.
@@ -357,6 +469,37 @@ def test_cuda_lowerings_trace_with_fake_cuda_tensors():
     assert graphs["lowered"].count("triton_kernel_wrapper_mutation") == 4
     # fused_kv_proj writes K and V, paged_kv_write only the pool (twice), block_attention only its output
     assert graphs["clones"] == [["k_ptr", "v_ptr"], ["pool_ptr"], ["pool_ptr"], ["out_ptr"]]
+
+
+_FAKE_CUDA_SPLIT_TRACE = _FAKE_CUDA_PRELUDE + """
+from dflash_compile.lowerings.triton import block_attention as ba
+B, Hkv, G, T, D, ps, NB = 1, 2, 2, 16, 128, 16, 256  # 4 programs, 4096 context positions: split
+plan = ba.plan(B, Hkv * G, Hkv, T, D, torch.float16, NB * ps)
+with FakeTensorMode():
+    c = lambda *shape, dtype=torch.float16: torch.empty(*shape, device="cuda", dtype=dtype)
+    args = (c(B, Hkv * G, T, D), c(NB * ps, Hkv, D), c(NB * ps, Hkv, D), c(B, NB, dtype=torch.long),
+            c(B, dtype=torch.long), c(B, T, dtype=torch.long), c(B, Hkv, T, D), c(B, Hkv, T, D))
+f = lambda *a: ba.block_attention(*a, ps, False, 0, D**-0.5)
+gm = make_fx(f, pre_dispatch=True, tracing_mode="fake")(*args)
+targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+print(json.dumps(dict(splits=plan.num_splits, targets=targets)))
+"""
+
+
+def test_block_attention_split_traces_with_fake_cuda_tensors():
+    """The split path (attention kernel + combine kernel, fp32 workspace) traces into two Triton HOPs."""
+    import json
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _FAKE_CUDA_SPLIT_TRACE], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["splits"] > 1
+    assert report["targets"].count("triton_kernel_wrapper_mutation") == 2, report["targets"]
 
 
 def _lowering_cases():

@@ -10,6 +10,10 @@ What it does not model: timing, engine parallelism, SBUF/PSUM capacity across ti
 functions' piecewise-polynomial approximations, and any rule not listed in ``isa.py``. Passing here means the
 kernel's arithmetic and indexing are right under these rules, not that it compiles with ``neuronx-cc``.
 
+``nki.jit`` and ``nki.simulate`` also check the kernel function statically (:mod:`nki_shim.subset`): the NKI
+compiler front end accepts only a Python subset (no comprehensions, generator expressions, lambda, ``zip`` or
+``enumerate``; a short list of built-ins), which eager execution would never notice.
+
 Install it with :func:`_install` only when the real ``nki`` is not importable.
 """
 
@@ -18,15 +22,20 @@ import sys as _sys
 
 import numpy as _np
 
-from . import _core, isa, language
+from . import _core, isa, language, subset
 
 __getattr__ = _core.strict_module_getattr("nki")
+
+#: The NKI release whose API the shim follows: the kernels need NKI 0.5.0 (Neuron SDK 2.31) for
+#: ``tensor.broadcast`` and ``nl.tile_size.psum_bank_fmax``.
+__version__ = "0.5.0"
 
 
 class _Kernel:
     """What ``@nki.jit`` returns: calling it runs the kernel eagerly on numpy arrays."""
 
     def __init__(self, fn):
+        subset.check_function(fn)  # the NKI compiler's Python subset, which running the kernel eagerly cannot see
         self.fn = fn
         _functools.update_wrapper(self, fn)
 
@@ -48,6 +57,8 @@ def jit(fn=None, **kwargs):
 
 
 def simulate(kernel):
+    if not isinstance(kernel, _Kernel):
+        subset.check_function(kernel)
     fn = kernel.fn if isinstance(kernel, _Kernel) else kernel
 
     def simulated(*args, **kwargs):

@@ -1,8 +1,9 @@
 """The shim's ``nki.isa``: the instructions the dflash kernels use, each checking the hardware rules it models.
 
-Semantics follow the NKI ISA reference (Neuron SDK 2.29+ ``nki.isa``): compute engines work in fp32 and cast
-to ``dst.dtype``; ``nc_matmul`` reads SBUF and writes fp32 PSUM; DMA moves data between HBM and SBUF (with a
-cast through fp32 when dtypes differ) and does indirect gather/scatter through ``.ap(vector_offset=...)``.
+Semantics follow the NKI ISA reference of NKI 0.5.0 / Neuron SDK 2.31+ (the floor the kernels need): compute
+engines work in fp32 and cast to ``dst.dtype``; ``nc_matmul`` reads SBUF and writes fp32 PSUM; DMA moves data
+between HBM and SBUF (with a cast through fp32 when dtypes differ) and does indirect gather/scatter through
+``.ap(vector_offset=...)``.
 """
 
 import enum as _enum

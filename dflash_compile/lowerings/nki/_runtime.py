@@ -1,12 +1,25 @@
 """Host-side plumbing shared by the NKI launchers: importing the SDK lazily, and running a kernel.
 
-Tensors on a Neuron device go to the ``@nki.jit`` kernel as they are (NKI's PyTorch integration). CPU tensors
-go through ``nki.simulate`` as numpy arrays, which is how the kernels are tested without hardware.
+Tensors on a Neuron device go to the ``@nki.jit`` kernel as they are (NKI's PyTorch integration), launched
+with the logical NeuronCore (LNC) degree of ``NEURON_LOGICAL_NC_CONFIG``. CPU tensors go through
+``nki.simulate`` as numpy arrays, which is how the kernels are tested without hardware.
+
+Version floor: the kernels use ``tensor.broadcast`` and ``nl.tile_size.psum_bank_fmax``, which need NKI 0.5.0
+(Neuron SDK 2.31). An older ``nki`` is reported as unavailable.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import re
+
 import torch
+
+log = logging.getLogger(__name__)
+
+NKI_MIN_VERSION = (0, 5, 0)  # NKI 0.5.0 ships with Neuron SDK 2.31
+NKI_MIN_VERSION_TEXT = "NKI 0.5.0 (Neuron SDK 2.31)"
 
 _JITTED: dict = {}
 
@@ -20,13 +33,54 @@ def import_nki():
     return nki, nki.language, nki.isa
 
 
+def nki_version(nki) -> tuple[int, ...] | None:
+    """The ``(major, minor, patch)`` of an imported ``nki`` (``nki.__version__``, else the installed
+    distribution's metadata), or None when neither says."""
+    text = getattr(nki, "__version__", None)
+    if not isinstance(text, str):
+        try:
+            from importlib.metadata import PackageNotFoundError, version
+
+            text = version("nki")
+        except (ImportError, PackageNotFoundError, ValueError):
+            return None
+    match = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", text)
+    if match is None:
+        return None
+    return tuple(int(g or 0) for g in match.groups())
+
+
 def nki_available() -> bool:
-    """Whether ``import nki`` gives an NKI with ``jit`` and ``simulate`` (PyPI only has placeholder packages)."""
+    """Whether ``import nki`` gives an NKI with ``jit`` and ``simulate`` (PyPI only has placeholder packages)
+    that is not older than :data:`NKI_MIN_VERSION`. An NKI whose version cannot be read is accepted."""
     try:
         nki, _, _ = import_nki()
     except ImportError:
         return False
-    return callable(getattr(nki, "jit", None)) and callable(getattr(nki, "simulate", None))
+    if not (callable(getattr(nki, "jit", None)) and callable(getattr(nki, "simulate", None))):
+        return False
+    found = nki_version(nki)
+    if found is not None and found < NKI_MIN_VERSION:
+        log.warning("dflash: nki %s is older than %s, which the NKI kernels need; they are not used",
+                    ".".join(map(str, found)), NKI_MIN_VERSION_TEXT)
+        return False
+    return True
+
+
+def logical_nc_config() -> int:
+    """The LNC degree to launch kernels with: ``NEURON_LOGICAL_NC_CONFIG`` (1 or 2), else 1.
+
+    The Neuron Runtime groups ``NEURON_LOGICAL_NC_CONFIG`` physical cores into one logical core, and an NKI
+    kernel must be launched with the same degree. Unset, an NKI kernel defaults to LNC=1 (the ``nki.jit``
+    docs); on Trn2 the runtime and ``neuronx-cc`` default to LNC=2, so set the variable explicitly there (the
+    SDK's own advice for the LNC-mismatch error NCC_EVRF066).
+    """
+    text = os.environ.get("NEURON_LOGICAL_NC_CONFIG", "").strip()
+    if not text:
+        return 1
+    if text not in ("1", "2"):
+        raise ValueError(f"NEURON_LOGICAL_NC_CONFIG={text!r}: the Neuron SDK supports an LNC degree of 1 or 2")
+    return int(text)
 
 
 def jitted(nki, fn):
@@ -62,7 +116,9 @@ def launch(kernel, *args, inout: tuple[int, ...] = ()):
     """Run ``kernel(*args)``; ``inout`` are the positions of tensors the kernel writes in place."""
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     if any(t.device.type != "cpu" for t in tensors):
-        return kernel(*args)
+        # kernel[lnc]: the launch-grid form NKI 0.5.0 documents for the LNC degree (it must match the runtime's).
+        # The kernels do not split work by nl.program_id, so with LNC=2 both cores compute the same result.
+        return kernel[logical_nc_config()](*args)
 
     import nki
 

@@ -32,16 +32,19 @@ def _restrict(vis, dist, op, bound):
     nisa.scalar_tensor_tensor(dst=vis, data=dist, op0=op, operand0=bound, op1=nl.multiply, operand1=vis)
 
 
-def _attend(q_t, k_rows, v_rows, vis, n, R, state, scale, mm_dtype, zeros, d_chunks):
+def _attend(q_t, k_rows, v_rows, vis, n, R, state, scale, mm_dtype, zeros):
     """Fold ``n`` keys into the running softmax of ``R`` query rows.
 
-    ``q_t``: the queries transposed, per head-dim chunk ``[dc, R]``; ``k_rows [n, D]`` (``mm_dtype``) and
+    ``q_t``: the queries transposed, per 128-wide head-dim chunk ``[dc, R]``; ``k_rows [n, D]`` (``mm_dtype``) and
     ``v_rows [n, D]`` (fp32) one key per partition; ``vis [R, n]`` 0/1 fp32; ``state = (m, l, acc)``.
     """
     m_run, l_run, acc = state
     D = v_rows.shape[1]
     scores = nl.ndarray((R, n), dtype=nl.float32, buffer=nl.psum)
-    for c, (d0, d1) in enumerate(d_chunks):
+    P = nl.tile_size.pmax
+    for c in range(len(q_t)):
+        d0 = c * P
+        d1 = min(D, d0 + P)
         k_t_ps = nl.ndarray((d1 - d0, n), dtype=mm_dtype, buffer=nl.psum)
         nisa.nc_transpose(dst=k_t_ps, data=k_rows[:, d0:d1])
         k_t = nl.ndarray((d1 - d0, n), dtype=mm_dtype, buffer=nl.sbuf)
@@ -95,7 +98,7 @@ def _attend(q_t, k_rows, v_rows, vis, n, R, state, scale, mm_dtype, zeros, d_chu
 def _block_attention_kernel(q, k_pool, v_pool, block_table, ctx_lens, q_positions, q_index, pos_table, k_block,
                             v_block, page_size, causal, window, scale):
     """``q [B, Hq, T, D]``; ``k_pool``/``v_pool [num_slots, Hkv * D]``; ``block_table [B * NB, 1]`` int32
-    (invalid pages -1); ``ctx_lens [B, 1]``, ``q_positions [B, T]``, ``q_index [T]`` (= arange) int32;
+    (invalid pages: one past the pool); ``ctx_lens [B, 1]``, ``q_positions [B, T]``, ``q_index [T]`` (= arange) int32;
     ``pos_table [KT, 2]`` int32 = ``(i // page_size, i % page_size)`` for the KT keys of a context tile;
     ``k_block``/``v_block [B, Hkv, T, D]`` or None. Returns ``[B, Hq, T, D]`` in ``q.dtype``."""
     B, Hq, T, D = q.shape
@@ -110,15 +113,19 @@ def _block_attention_kernel(q, k_pool, v_pool, block_table, ctx_lens, q_position
     mm_dtype = q.dtype if same else nl.float32  # a float32 matmul operand needs a float32 partner
     out = nl.ndarray((B, Hq, T, D), dtype=q.dtype, buffer=nl.shared_hbm)
 
-    d_chunks = [(d0, min(D, d0 + P)) for d0 in range(0, D, P)]
-    if T <= P:  # (first group, groups, first query, queries): whole groups per chunk
-        per = P // T
-        row_chunks = [(g0, min(per, G - g0), 0, T) for g0 in range(0, G, per)]
+    # Query-row chunks: with T <= 128, ``per`` whole groups of T queries each; else one group's queries in
+    # chunks of 128 (``t_chunks`` per group). Chunk ``rc`` covers groups [g0, g0 + gcnt), queries [i0, i0 + icnt).
+    per = max(1, P // T)
+    t_chunks = (T + P - 1) // P
+    if T <= P:
+        n_row_chunks = (G + per - 1) // per
+        rows_max = min(per, G) * T
     else:
-        row_chunks = [(g, 1, i0, min(P, T - i0)) for g in range(G) for i0 in range(0, T, P)]
-    rows_max = max(gc * ic for _, gc, _, ic in row_chunks)
-    ctx_tiles = [(t0, min(KT, S - t0)) for t0 in range(0, S, KT)]
-    block_tiles = [(j0, min(P, T - j0)) for j0 in range(0, T, P)] if has_block else []
+        n_row_chunks = G * t_chunks
+        rows_max = P
+    n_d_chunks = (D + P - 1) // P
+    n_ctx_tiles = (S + KT - 1) // KT
+    n_block_tiles = t_chunks if has_block else 0
 
     pos_sb = nl.ndarray((KT, 2), dtype=nl.int32, buffer=nl.sbuf)
     nisa.dma_copy(dst=pos_sb, src=pos_table)
@@ -131,7 +138,9 @@ def _block_attention_kernel(q, k_pool, v_pool, block_table, ctx_lens, q_position
         # slots of row b's context tiles (shared by every KV head and query chunk):
         # slot(p) = block_table[b, p // page_size] * page_size + p % page_size
         slots = []
-        for t0, kt in ctx_tiles:
+        for ti in range(n_ctx_tiles):
+            t0 = ti * KT
+            kt = min(KT, S - t0)
             page = nl.ndarray((kt, 1), dtype=nl.int32, buffer=nl.sbuf)
             nisa.tensor_scalar(dst=page, data=pos_sb[0:kt, 0:1], op0=nl.add, operand0=float(b * NB + t0 // page_size))
             page_id = nl.ndarray((kt, 1), dtype=nl.int32, buffer=nl.sbuf)
@@ -147,7 +156,17 @@ def _block_attention_kernel(q, k_pool, v_pool, block_table, ctx_lens, q_position
         nisa.dma_copy(dst=ctx_len, src=ctx_lens[b:b + 1, :].broadcast(0, rows_max))
 
         for kvh in range(Hkv):
-            for g0, gcnt, i0, icnt in row_chunks:
+            for rc in range(n_row_chunks):
+                if T <= P:
+                    g0 = rc * per
+                    gcnt = min(per, G - g0)
+                    i0 = 0
+                    icnt = T
+                else:
+                    g0, ic = divmod(rc, t_chunks)
+                    gcnt = 1
+                    i0 = ic * P
+                    icnt = min(P, T - i0)
                 R = gcnt * icnt
                 q_pos = nl.ndarray((R, 1), dtype=nl.float32, buffer=nl.sbuf)
                 q_idx = nl.ndarray((R, 1), dtype=nl.float32, buffer=nl.sbuf) if has_block and causal else None
@@ -159,7 +178,9 @@ def _block_attention_kernel(q, k_pool, v_pool, block_table, ctx_lens, q_position
                         nisa.dma_copy(dst=q_idx[r0:r0 + icnt, :], src=q_index[i0:i0 + icnt])
                     nisa.dma_copy(dst=q_rows[r0:r0 + icnt, :], src=q[b, kvh * G + g0 + gg, i0:i0 + icnt, :])
                 q_t = []
-                for d0, d1 in d_chunks:
+                for dc in range(n_d_chunks):
+                    d0 = dc * P
+                    d1 = min(D, d0 + P)
                     q_t_ps = nl.ndarray((d1 - d0, R), dtype=mm_dtype, buffer=nl.psum)
                     nisa.nc_transpose(dst=q_t_ps, data=q_rows[:, d0:d1])
                     q_t_sb = nl.ndarray((d1 - d0, R), dtype=mm_dtype, buffer=nl.sbuf)
@@ -173,7 +194,10 @@ def _block_attention_kernel(q, k_pool, v_pool, block_table, ctx_lens, q_position
                 nisa.memset(dst=acc, value=0.0)
                 state = (m_run, l_run, acc)
 
-                for (t0, kt), slot in zip(ctx_tiles, slots):
+                for ti in range(n_ctx_tiles):
+                    t0 = ti * KT
+                    kt = min(KT, S - t0)
+                    slot = slots[ti]
                     k_rows = nl.ndarray((kt, D), dtype=mm_dtype, buffer=nl.sbuf)
                     nisa.memset(dst=k_rows, value=0.0)
                     nisa.dma_copy(dst=k_rows, src=k_pool.ap(pattern=[[Hkv * D, kt], [1, D]], offset=kvh * D,
@@ -195,9 +219,11 @@ def _block_attention_kernel(q, k_pool, v_pool, block_table, ctx_lens, q_position
                             _restrict(vis, dist, nl.greater_equal, 0.0)
                         if window:
                             _restrict(vis, dist, nl.less, float(window))
-                    _attend(q_t, k_rows, v_rows, vis, kt, R, state, scale, mm_dtype, zeros, d_chunks)
+                    _attend(q_t, k_rows, v_rows, vis, kt, R, state, scale, mm_dtype, zeros)
 
-                for j0, jt in block_tiles:
+                for bi in range(n_block_tiles):
+                    j0 = bi * P
+                    jt = min(P, T - j0)
                     k_rows = nl.ndarray((jt, D), dtype=mm_dtype, buffer=nl.sbuf)
                     nisa.dma_copy(dst=k_rows, src=k_block[b, kvh, j0:j0 + jt, :])
                     v_rows = nl.ndarray((jt, D), dtype=nl.float32, buffer=nl.sbuf)
@@ -215,7 +241,7 @@ def _block_attention_kernel(q, k_pool, v_pool, block_table, ctx_lens, q_position
                         dist = nl.ndarray((R, jt), dtype=nl.float32, buffer=nl.sbuf)
                         nisa.tensor_scalar(dst=dist, data=key_pos, op0=nl.subtract, operand0=q_pos, reverse0=True)
                         _restrict(vis, dist, nl.less, float(window))
-                    _attend(q_t, k_rows, v_rows, vis, jt, R, state, scale, mm_dtype, zeros, d_chunks)
+                    _attend(q_t, k_rows, v_rows, vis, jt, R, state, scale, mm_dtype, zeros)
 
                 # out = acc / l; a row that saw nothing has acc == 0 and l == 0 (l >= 1 otherwise)
                 l_safe = nl.ndarray((R, 1), dtype=nl.float32, buffer=nl.sbuf)
@@ -258,11 +284,12 @@ def _launch(q, k_pool, v_pool, block_table, ctx_lens, q_positions, k_block, v_bl
     NB = block_table.shape[1]
     KT = _context_tile(page_size)
     num_pages = -(-num_slots // page_size)
-    if num_pages * page_size >= 2**31:
+    if (num_pages + 1) * page_size > 2**31:
         raise ValueError("block_attention: the pool is too large for the kernel's int32 slots")
-    # Pages outside the pool become -1: their slots are negative, and the K/V gathers skip them.
+    # Pages outside the pool (-1 padding included) become num_pages, one past the pool: their slots are
+    # >= num_slots, out of bounds, and the K/V gathers skip them (no negative index reaches the DMA).
     bt = block_table.to(torch.int64)
-    bt = torch.where((bt >= 0) & (bt < num_pages), bt, -1).to(torch.int32).reshape(B * NB, 1)
+    bt = torch.where((bt >= 0) & (bt < num_pages), bt, num_pages).to(torch.int32).reshape(B * NB, 1)
     i = torch.arange(KT, dtype=torch.int32, device=q.device)
     pos_table = torch.stack([i // page_size, i % page_size], dim=1)
     out = _runtime.launch(

@@ -54,13 +54,15 @@ def _fused_kv_proj_kernel(ctx, w_t, k_norm_weight, cos, sin, eps):
     heads_per_tile = max(1, min(nl.tile_size.gemm_moving_fmax, nl.tile_size.psum_bank_fmax) // D)
     k_out = nl.ndarray((L, N, Hkv, D), dtype=ctx.dtype, buffer=nl.shared_hbm)
     v_out = nl.ndarray((L, N, Hkv, D), dtype=ctx.dtype, buffer=nl.shared_hbm)
-    h_chunks = [(h0, min(H, h0 + P)) for h0 in range(0, H, P)]
+    n_h_chunks = (H + P - 1) // P  # 128-wide chunks of the contraction (hidden) dim
 
     for n0 in range(0, N, P):
         nt = min(P, N - n0)
         # ctx rows transposed on the Tensor Engine: the contraction dim goes on partitions
         ctx_t = []
-        for h0, h1 in h_chunks:
+        for c in range(n_h_chunks):
+            h0 = c * P
+            h1 = min(H, h0 + P)
             rows = nl.ndarray((nt, h1 - h0), dtype=ctx.dtype, buffer=nl.sbuf)
             nisa.dma_copy(dst=rows, src=ctx[n0:n0 + nt, h0:h1])
             rows_t_ps = nl.ndarray((h1 - h0, nt), dtype=ctx.dtype, buffer=nl.psum)
@@ -80,12 +82,15 @@ def _fused_kv_proj_kernel(ctx, w_t, k_norm_weight, cos, sin, eps):
             nisa.dma_copy(dst=w, src=k_norm_weight[layer:layer + 1, :].broadcast(0, nt))
             norm_w.append(w)
 
-        for is_v in (False, True):
+        for kv in range(2):  # 0: K heads, 1: V heads
+            is_v = kv == 1
             for hh0 in range(0, L * Hkv, heads_per_tile):
                 nh = min(heads_per_tile, L * Hkv - hh0)
                 f0 = ((L * Hkv if is_v else 0) + hh0) * D
                 acc = nl.ndarray((nt, nh * D), dtype=nl.float32, buffer=nl.psum)
-                for c, (h0, h1) in enumerate(h_chunks):
+                for c in range(n_h_chunks):
+                    h0 = c * P
+                    h1 = min(H, h0 + P)
                     w_tile = nl.ndarray((h1 - h0, nh * D), dtype=w_t.dtype, buffer=nl.sbuf)
                     nisa.dma_copy(dst=w_tile, src=w_t[h0:h1, f0:f0 + nh * D])
                     nisa.nc_matmul(dst=acc, stationary=ctx_t[c], moving=w_tile, accumulate=c > 0)

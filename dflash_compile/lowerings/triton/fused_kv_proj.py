@@ -64,7 +64,20 @@ def _kernel(
     tl.store(v_ptr + l * sv_l + n * sv_n + h[:, None] * sv_h + d[None, :] * sv_d, v.to(dtype), mask=mask)
 
 
+def plan(N, L, Hkv, D, dtype) -> dict:
+    """Pure-Python launch plan from static shapes (what :func:`_launch` runs); ``reference`` for fp64."""
+    if dtype == torch.float64:
+        return dict(reference="fp64 runs exactly in the eager reference")
+    block_d = triton.next_power_of_2(D)
+    block_h = min(triton.next_power_of_2(Hkv), max(1, 2048 // block_d))
+    return dict(BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4, grid=(N, L, triton.cdiv(Hkv, block_h)))
+
+
 def _launch(ctx, weight, k_norm_weight, cos, sin, eps):
+    if ctx.dtype == torch.float64:  # the epilogue computes in fp32: fp64 runs exactly in the reference
+        from ..ops import _fused_kv_proj_reference
+
+        return _fused_kv_proj_reference(ctx, weight, k_norm_weight, cos, sin, eps)
     L, D = k_norm_weight.shape
     N = ctx.shape[0]
     assert D % 2 == 0, f"rotate-half RoPE needs an even head dim, got {D}"
@@ -75,9 +88,8 @@ def _launch(ctx, weight, k_norm_weight, cos, sin, eps):
     v = torch.empty((L, N, Hkv, D), dtype=ctx.dtype, device=ctx.device)
     if k.numel() == 0:
         return k, v
-    block_d = triton.next_power_of_2(D)
-    block_h = min(triton.next_power_of_2(Hkv), max(1, 2048 // block_d))
-    grid = (N, L, triton.cdiv(Hkv, block_h))
+    p = plan(N, L, Hkv, D, ctx.dtype)
+    block_h, block_d, grid = p["BLOCK_H"], p["BLOCK_D"], p["grid"]
     wrap_triton(_kernel)[grid](
         kv, k_norm_weight, cos, sin, k, v,
         *kv.stride(),
@@ -89,6 +101,7 @@ def _launch(ctx, weight, k_norm_weight, cos, sin, eps):
         Hkv, D, eps,
         BLOCK_H=block_h,
         BLOCK_D=block_d,
+        num_warps=p["num_warps"],
     )
     return k, v
 
@@ -96,5 +109,8 @@ def _launch(ctx, weight, k_norm_weight, cos, sin, eps):
 def fused_kv_proj(
     ctx: Tensor, weight: Tensor, k_norm_weight: Tensor, cos: Tensor, sin: Tensor, eps: float
 ) -> tuple[Tensor, Tensor]:
-    """Triton implementation of :func:`dflash_compile.lowerings.ops.fused_kv_proj` (same contract)."""
+    """Triton implementation of :func:`dflash_compile.lowerings.ops.fused_kv_proj` (same contract).
+
+    The epilogue computes in fp32, so fp64 inputs run the eager reference instead (exact, not silently fp32).
+    """
     return _launch(ctx, weight, k_norm_weight, cos, sin, eps)

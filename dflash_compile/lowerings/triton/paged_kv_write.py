@@ -52,6 +52,13 @@ def _lead_stride(t, n_lead):
     return dims[-1][1] if dims else 0
 
 
+def plan(N, lead_numel, H, D) -> dict:
+    """Pure-Python launch plan from static shapes (what :func:`_launch` runs)."""
+    block_d = triton.next_power_of_2(D)
+    block_h = min(triton.next_power_of_2(H), max(1, 4096 // block_d))  # at most 4096 elements per program
+    return dict(BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4, grid=(N, lead_numel, triton.cdiv(H, block_h)))
+
+
 def _launch(pool, slots, values):
     *lead, num_slots, H, D = pool.shape
     N = slots.shape[0]
@@ -59,9 +66,8 @@ def _launch(pool, slots, values):
     if lead_numel == 0 or N == 0 or H * D == 0:
         return
     values_flat = values.expand(*lead, N, H, D).reshape(lead_numel, N, H, D)
-    block_d = triton.next_power_of_2(D)
-    block_h = min(triton.next_power_of_2(H), max(1, 4096 // block_d))  # at most 4096 elements per program
-    grid = (N, lead_numel, triton.cdiv(H, block_h))
+    p = plan(N, lead_numel, H, D)
+    block_h, block_d, grid = p["BLOCK_H"], p["BLOCK_D"], p["grid"]
     wrap_triton(_kernel)[grid](
         pool, slots, values_flat,
         slots.stride(0),
@@ -70,6 +76,7 @@ def _launch(pool, slots, values):
         num_slots, H, D,
         BLOCK_H=block_h,
         BLOCK_D=block_d,
+        num_warps=p["num_warps"],
     )
 
 
