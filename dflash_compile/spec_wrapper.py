@@ -63,15 +63,18 @@ def validate_pair(target: nn.Module, draft: DFlashDraftModel, num_speculative_to
 
 
 def _target_layer_kinds(tcfg) -> tuple[tuple[str, ...] | None, int | None]:
-    """Attention kinds the target's layers use (None: one causal mask for all) and its sliding window."""
+    """``(kinds, window)``: the attention kinds of the target's layers when they differ (one mask per kind, keyed as
+    HF keys them), else None (one mask for every layer); and the sliding window. A config with ``layer_types``
+    windows only its ``sliding_attention`` layers; one without them but with a ``sliding_window`` (Mistral)
+    windows every layer."""
     window = getattr(tcfg, "sliding_window", None)
     kinds = getattr(tcfg, "layer_types", None)
     if kinds:
         unknown = sorted(set(kinds) - {"full_attention", "sliding_attention"})
         if unknown:
             raise NotImplementedError(f"target layer types {unknown} are not supported (full and sliding only)")
-        return (tuple(sorted(set(kinds))) if "sliding_attention" in kinds else None), window
-    return (("sliding_attention",) if window is not None else None), window
+        return (tuple(sorted(set(kinds))), window) if "sliding_attention" in kinds else (None, None)
+    return None, window
 
 
 def _context_pages(buckets, max_seq_len: int, page_size: int) -> tuple[int, ...]:
@@ -278,18 +281,20 @@ class DFlashSpecWrapper(nn.Module):
         return torch.where(active[:, None], tokens, -1), torch.where(active, num_accepted, 0), bonus
 
     def _target_mask(self, positions, kv_lens, key_pos):
-        """``[Bk, 1, T, S]`` causal visibility over each row's written positions (a dict per layer type for
-        targets with sliding-window layers). Bucket-padding rows see nothing; their outputs are ignored."""
-        masks = {"full_attention": context_visibility(positions, kv_lens, key_pos, True, None)[:, None]}
-        if self._mask_kinds is not None and "sliding_attention" in self._mask_kinds:
-            masks["sliding_attention"] = context_visibility(positions, kv_lens, key_pos, True, self._window)[:, None]
+        """``[Bk, 1, T, S]`` causal visibility over each row's written positions, windowed where the target's layers
+        slide (a dict per layer type for targets mixing full and sliding layers). Bucket-padding rows see nothing;
+        their outputs are ignored."""
+        if self._mask_kinds is None:
+            masks = {None: context_visibility(positions, kv_lens, key_pos, True, self._window)[:, None]}
+        else:
+            masks = {kind: context_visibility(positions, kv_lens, key_pos, True,
+                                              self._window if kind == "sliding_attention" else None)[:, None]
+                     for kind in self._mask_kinds}
         if self._eager_mask:  # eager attention adds its mask
             dtype = self.draft.fc.weight.dtype
             masks = {k: torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill(~m, torch.finfo(dtype).min)
                      for k, m in masks.items()}
-        if self._mask_kinds is None:
-            return masks["full_attention"]
-        return {kind: masks[kind] for kind in self._mask_kinds}
+        return masks[None] if self._mask_kinds is None else masks
 
     def _target_forward(self, ids, positions, write_ok, kv_lens, block_tables, active, target_pools, last_only=False):
         """Target over ``ids [Bk, T]`` at ``positions``; K/V land in the paged pool. -> (logits, aux hidden)."""

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from dflash_compile import DFlashDraftModel, DFlashSpecWrapper
 from dflash_compile.kv_cache import TRASH_SLOT, ZERO_SLOT
@@ -193,3 +194,20 @@ def test_pad_inferred_like_hf():
     ids, _ = _left_padded(prompts)
     out = spec.generate(ids, max_new_tokens=MAX_NEW, pad_token_id=PAD)  # no mask: inferred from PAD
     assert _new_tokens(out, prompts) == [_reference(target, p) for p in prompts]
+
+
+def test_sliding_window_without_layer_types():
+    # Mistral-style: `sliding_window` set and no `layer_types` -> every layer slides and HF takes one mask tensor.
+    target = tiny_target("mistral", sliding_window=8)
+    assert not getattr(target.config, "layer_types", None)
+    draft = DFlashDraftModel.from_target(target, num_layers=2, block_size=4, target_layer_ids=[1, 3], seed=0)
+    spec = DFlashSpecWrapper(target, draft, max_batch_size=4, max_seq_len=96, page_size=8)
+    prompts = _prompts([3, 17, 30])  # longer than the window
+    out = spec.generate(prompts, max_new_tokens=MAX_NEW, pad_token_id=PAD)
+    assert _new_tokens(out, prompts) == [_reference(target, p) for p in prompts]
+    counters.clear()
+    torch._dynamo.reset()
+    spec.compile(backend="dflash", fullgraph=True)
+    assert torch.equal(spec.generate(prompts, max_new_tokens=MAX_NEW, pad_token_id=PAD), out)
+    graphs = counters["stats"]["unique_graphs"]  # one per batch bucket the shrinking batch ran at
+    assert graphs >= 1 and counters["dflash"]["block_attention"] == (4 + 2) * graphs  # windowed masks recognised
