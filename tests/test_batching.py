@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import transformers
 from torch._dynamo.utils import counters
 
 from dflash_compile import DFlashDraftModel, DFlashSpecWrapper
@@ -196,13 +197,12 @@ def test_pad_inferred_like_hf():
     assert _new_tokens(out, prompts) == [_reference(target, p) for p in prompts]
 
 
-def test_sliding_window_without_layer_types():
-    # Mistral-style: `sliding_window` set and no `layer_types` -> every layer slides and HF takes one mask tensor.
-    target = tiny_target("mistral", sliding_window=8)
-    assert not getattr(target.config, "layer_types", None)
+def _lossless_eager_and_compiled(target, block_attentions_per_graph):
+    """Greedy batch output equals target.generate, compiled (dflash) equals eager, and the block_attention pass
+    fires the given number of times in each step graph."""
     draft = DFlashDraftModel.from_target(target, num_layers=2, block_size=4, target_layer_ids=[1, 3], seed=0)
     spec = DFlashSpecWrapper(target, draft, max_batch_size=4, max_seq_len=96, page_size=8)
-    prompts = _prompts([3, 17, 30])  # longer than the window
+    prompts = _prompts([3, 17, 30])  # longer than the windows below
     out = spec.generate(prompts, max_new_tokens=MAX_NEW, pad_token_id=PAD)
     assert _new_tokens(out, prompts) == [_reference(target, p) for p in prompts]
     counters.clear()
@@ -210,4 +210,32 @@ def test_sliding_window_without_layer_types():
     spec.compile(backend="dflash", fullgraph=True)
     assert torch.equal(spec.generate(prompts, max_new_tokens=MAX_NEW, pad_token_id=PAD), out)
     graphs = counters["stats"]["unique_graphs"]  # one per batch bucket the shrinking batch ran at
-    assert graphs >= 1 and counters["dflash"]["block_attention"] == (4 + 2) * graphs  # windowed masks recognised
+    assert graphs >= 1 and counters["dflash"]["block_attention"] == block_attentions_per_graph * graphs
+
+
+def test_sliding_window_without_layer_types():
+    # Mistral-style: `sliding_window` set and no `layer_types` -> every layer slides and HF takes one mask tensor.
+    target = tiny_target("mistral", sliding_window=8)
+    assert not getattr(target.config, "layer_types", None)
+    _lossless_eager_and_compiled(target, 4 + 2)  # the windowed target mask is recognised too
+
+
+def test_gpt_oss_sinks_and_alternating_windows():
+    # gpt-oss: attention sinks (HF runs it with eager attention only), alternating sliding/full layers, MoE MLP.
+    config = transformers.GptOssConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+        max_position_embeddings=512, layer_types=["sliding_attention", "full_attention"] * 2,
+        tie_word_embeddings=False,
+    )
+    config._attn_implementation = "eager"
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        target = transformers.GptOssForCausalLM(config).eval()
+        with torch.no_grad():
+            for layer in target.model.layers:
+                layer.self_attn.sinks.normal_(0, 1)  # non-zero sinks, so a lost sink would show
+    target.generation_config.eos_token_id = target.generation_config.pad_token_id = None
+    target.generation_config.bos_token_id = None
+    # The target's eager attention (sinks, additive float mask) is left to HF; the drafter's two are replaced.
+    _lossless_eager_and_compiled(target, 2)
