@@ -466,8 +466,8 @@ def run(args) -> dict:
         "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "target": str(target_dir),
-        "draft": str(draft_dir),
+        "target": _short(str(target_dir)),  # relative to the repo when inside it: no machine paths in results
+        "draft": _short(str(draft_dir)),
         "num_prompts": len(texts),
         "max_new_tokens": args.max_new,
         "repeats": args.repeats,
