@@ -198,15 +198,6 @@ class HFSpecCounter:
 
 
 # ---------------------------------------------------------------------------------------------- profiling
-def _median_ms(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
-
-
 def phase_profile(target, draft, encs: list[dict], args, repeats: int = 50) -> dict:
     """Where the time of our compiled generation goes, batch 1, on ``encs`` (one prompt each).
 
@@ -223,6 +214,7 @@ def phase_profile(target, draft, encs: list[dict], args, repeats: int = 50) -> d
     """
     from torch.profiler import ProfilerActivity, profile
 
+    from _harness import median_ms
     from bench_step import step_inputs
     from dflash_compile.backends import dflash_backend
 
@@ -305,8 +297,7 @@ def phase_profile(target, draft, encs: list[dict], args, repeats: int = 50) -> d
         "propose": (bonus, seq_lens + num_accepted + 1, tables, active, draft_pool),
     }
     for name, fn in phases.items():
-        fn(*phase_args[name])  # compile
-        out[f"{name}_ms"] = _median_ms(lambda: fn(*phase_args[name]), repeats)
+        out[f"{name}_ms"] = median_ms(lambda: fn(*phase_args[name]), repeats, "cpu")[0]  # first call: the compile
 
     python_wrapper = DFlashSpecWrapper(target, draft, max_batch_size=1)
     python_wrapper.compile(backend="dflash", fullgraph=True, options={"cpp_wrapper": False})

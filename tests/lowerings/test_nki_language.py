@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-pytest.importorskip("numpy")
+pytest.importorskip("numpy", reason="numpy is not installed (the NKI shim runs on it)")
 
 import dflash_compile.lowerings.nki as nki_kernels  # noqa: E402
 from nki_shim import subset  # noqa: E402
