@@ -279,7 +279,7 @@ def phase_profile(target, draft, encs: list[dict], args, repeats: int = 50) -> d
 
     def verify(block, seq_lens, tables, active, pools):
         positions, ok = spec._block_positions(block, seq_lens, active)
-        logits, aux = spec._verify(block, positions, ok, seq_lens, tables, active, pools)
+        logits, aux, _ = spec._verify(block, positions, ok, seq_lens, tables, active, pools)  # no recurrent layers
         return logits, aux, positions, ok
 
     def inject(aux, positions, valid, tables, draft_pool):

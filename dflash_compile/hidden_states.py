@@ -74,6 +74,10 @@ class AuxHiddenStates:
         self._store.clear()
         return out
 
+    def clear(self) -> None:
+        """Forget what the last forward recorded (a forward that is not a step, e.g. a probe)."""
+        self._store.clear()
+
     def remove(self) -> None:
         for h in self._handles:
             h.remove()

@@ -1,8 +1,12 @@
 """Paged K/V pools shared by the target and the drafter, and the HF ``Cache`` adapter for the target.
 
-Layout. The target has one pool tensor per decoder layer, ``[2 (K, V), num_slots + 2, kv_heads, head_dim]``
-(separate tensors, so a compiled step writes each in place rather than through a view of a larger one), the
-drafter one for all its layers, ``[num_layers, 2, num_slots + 2, kv_heads, head_dim]`` (written whole). A slot
+Layout. Each target decoder layer has its own pool, sized from what that layer actually caches (``probe_layout``
+runs the target once on one token through HF's own cache and reads the shapes): an attention layer whose K and V
+have the same per-token shape gets one tensor ``[2 (K, V), num_slots + 2, kv_heads, head_dim]``, one whose K and V
+differ (MLA caches a latent and a rotary key of different widths) a ``(K pool, V pool)`` pair, and a recurrent
+(linear-attention) layer a dict of state pools with one slot per running request (``recurrent.py``). Separate
+tensors, so a compiled step writes each in place rather than through a view of a larger one. The drafter has one
+pool for all its layers, ``[num_layers, 2, num_slots + 2, kv_heads, head_dim]`` (written whole). A slot
 is one token position of one request; slots come in KV blocks of ``page_size`` and every request owns one
 block table (block ids, ``-1`` where unallocated) that indexes BOTH pools: position ``p`` of a request lives
 in the same slot of the target pool and of the drafter pool (vLLM allocates block tables spanning the
@@ -22,9 +26,10 @@ the stale slots; nothing is copied.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, LinearAttentionCacheLayerMixin
 
 TRASH_SLOT = -1
 ZERO_SLOT = -2
@@ -72,8 +77,54 @@ def context_visibility(q_positions, ctx_lens, key_pos, causal: bool, window: int
     return visible
 
 
+@dataclass(frozen=True)
+class AttentionLayout:
+    """What one attention layer caches per token: K and V as ``(heads, head_dim)`` each."""
+
+    key: tuple[int, int]
+    value: tuple[int, int]
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """What one recurrent layer caches per request: named states (``conv0``, ``recurrent0``, ...) and their shapes."""
+
+    states: tuple[tuple[str, tuple[int, ...], torch.dtype], ...]
+
+
+def probe_layout(target: torch.nn.Module) -> list[AttentionLayout | StateLayout]:
+    """Per decoder layer, what the target caches: one forward of one token through HF's own ``DynamicCache``, whose
+    layers are read back (attention K/V shapes; conv and recurrent state shapes). Generic over families: whatever
+    the model's attention or mixer stores through HF's cache seams is what the pools are sized for."""
+    cache = DynamicCache(config=target.config)
+    param = next(target.parameters())
+    with torch.no_grad():
+        target(input_ids=torch.zeros(1, 1, dtype=torch.long, device=param.device), cache=cache, use_cache=True)
+    layouts = []
+    for i, layer in enumerate(cache.layers):
+        linear = isinstance(layer, LinearAttentionCacheLayerMixin)
+        keys = getattr(layer, "keys", None) if isinstance(layer, CacheLayerMixin) else None
+        if linear and keys is not None:
+            raise NotImplementedError(f"target layer {i} caches both K/V and recurrent states ({type(layer).__name__})")
+        if keys is not None:
+            values = layer.values
+            layouts.append(AttentionLayout(tuple(keys.shape[1:2]) + tuple(keys.shape[3:]),
+                                           tuple(values.shape[1:2]) + tuple(values.shape[3:]), keys.dtype))
+        elif linear:
+            states = [(f"{kind}{idx}", tuple(t.shape[1:]), t.dtype)
+                      for kind, table in (("conv", layer.conv_states), ("recurrent", layer.recurrent_states))
+                      for idx, t in sorted(table.items()) if t is not None]
+            if not states:
+                raise NotImplementedError(f"target layer {i} ({type(layer).__name__}) stored no state")
+            layouts.append(StateLayout(tuple(states)))
+        else:
+            raise NotImplementedError(f"target layer {i} cached nothing through HF's cache ({type(layer).__name__})")
+    return layouts
+
+
 class PagedKVCache:
-    """Host-side owner of the two pools and of the KV blocks of each request."""
+    """Host-side owner of the pools, of the KV blocks of each request and of its recurrent-state slot."""
 
     def __init__(
         self,
@@ -81,7 +132,7 @@ class PagedKVCache:
         max_batch_size: int,
         max_seq_len: int,
         page_size: int,
-        target_shape: tuple[int, int, int],
+        target_layout: list[AttentionLayout | StateLayout],
         draft_shape: tuple[int, int, int],
         dtype: torch.dtype,
         device: torch.device | str,
@@ -91,12 +142,15 @@ class PagedKVCache:
         self.blocks_per_seq = math.ceil(max_seq_len / page_size)
         self.num_blocks = max_batch_size * self.blocks_per_seq
         slots = self.num_blocks * page_size + 2  # + ZERO_SLOT, TRASH_SLOT
-        Lt, Ht, Dt = target_shape
+        self.target_layout = tuple(target_layout)
+        self.target_pools = tuple(_layer_pool(lay, slots, max_batch_size + 2, device) for lay in self.target_layout)
+        self.has_states = any(isinstance(lay, StateLayout) for lay in self.target_layout)
         Ld, Hd, Dd = draft_shape
-        self.target_pools = tuple(torch.zeros(2, slots, Ht, Dt, dtype=dtype, device=device) for _ in range(Lt))
         self.draft_pool = torch.zeros(Ld, 2, slots, Hd, Dd, dtype=dtype, device=device)
         self._free = list(range(self.num_blocks - 1, -1, -1))  # pop() hands out low ids first
         self._owned: dict[int, list[int]] = {}
+        self._free_states = list(range(max_batch_size - 1, -1, -1)) if self.has_states else []
+        self._state_slot: dict[int, int] = {}
 
     @property
     def device(self) -> torch.device:
@@ -113,6 +167,18 @@ class PagedKVCache:
 
     def free(self, request: int) -> None:
         self._free.extend(reversed(self._owned.pop(request, [])))
+        if request in self._state_slot:
+            self._free_states.append(self._state_slot.pop(request))
+
+    def state_slot(self, request: int) -> int:
+        """``request``'s slot in every recurrent-state pool (allocated on first use; 0 for a target without any)."""
+        if not self.has_states:
+            return 0
+        if request not in self._state_slot:
+            if not self._free_states:
+                raise RuntimeError("the state pool is out of slots")  # one per running request: cannot happen
+            self._state_slot[request] = self._free_states.pop()
+        return self._state_slot[request]
 
     def blocks(self, request: int) -> list[int]:
         return list(self._owned.get(request, []))
@@ -131,6 +197,15 @@ class PagedKVCache:
         return (blocks[:, None] * self.page_size + torch.arange(self.page_size)).flatten().to(self.device)
 
 
+def _layer_pool(layout, slots: int, state_slots: int, device):
+    if isinstance(layout, StateLayout):  # one slot per running request + ZERO_SLOT, TRASH_SLOT
+        return {name: torch.zeros(state_slots, *shape, dtype=dtype, device=device) for name, shape, dtype in layout.states}
+    if layout.key == layout.value:
+        return torch.zeros(2, slots, *layout.key, dtype=layout.dtype, device=device)
+    return (torch.zeros(slots, *layout.key, dtype=layout.dtype, device=device),
+            torch.zeros(slots, *layout.value, dtype=layout.dtype, device=device))
+
+
 class PagedTargetLayer(CacheLayerMixin):
     """One target decoder layer's view of the pool: ``update`` scatters the new K/V at their slots and
     returns each row's dense K/V gathered through the block table (``[B, kv_heads, S, head_dim]``)."""
@@ -138,9 +213,9 @@ class PagedTargetLayer(CacheLayerMixin):
     is_compileable = True
     is_sliding = False
 
-    def __init__(self, pool: torch.Tensor, write: torch.Tensor, read: torch.Tensor):
+    def __init__(self, pool, write: torch.Tensor, read: torch.Tensor):
         super().__init__()
-        self.pool = pool  # [2, slots, kv_heads, head_dim]: this layer's pool
+        self.pool = pool  # [2, slots, kv_heads, head_dim], or a (K, V) pair of [slots, heads, dim]: this layer's pool
         self.write = write  # [B * T] flat slots
         self.read = read  # [B, S]
         self.is_initialized = True
@@ -151,8 +226,13 @@ class PagedTargetLayer(CacheLayerMixin):
     def update(self, key_states, value_states, *args, **kwargs):
         # key_states/value_states [B, Hkv, T, D] -> rows [B * T, Hkv, D] at self.write
         B, H, T, D = key_states.shape
-        if self.pool.shape[-2:] != (H, D):
-            raise ValueError(f"target K/V are [{H}, {D}] per token, the pool holds {tuple(self.pool.shape[-2:])}")
+        if isinstance(self.pool, tuple):  # K and V of different shapes (MLA): a pool each
+            for pool, new in zip(self.pool, (key_states, value_states)):
+                _check_rows(pool.shape[1:], new)
+                pool[self.write] = new.transpose(1, 2).reshape(B * T, *pool.shape[1:])
+            return tuple(pool[self.read].transpose(1, 2) for pool in self.pool)
+        _check_rows(self.pool.shape[-2:], key_states)
+        _check_rows(self.pool.shape[-2:], value_states)
         self.pool[:, self.write] = torch.stack([key_states, value_states]).transpose(2, 3).reshape(2, B * T, H, D)
         return self.pool[0][self.read].transpose(1, 2), self.pool[1][self.read].transpose(1, 2)  # [B, Hkv, S, D]
 
@@ -166,7 +246,22 @@ class PagedTargetLayer(CacheLayerMixin):
         return self.read.shape[1]
 
 
-def paged_target_cache(target_pools, write: torch.Tensor, read: torch.Tensor) -> Cache:
-    """An HF ``Cache`` whose layers read and write ``target_pools`` (one per layer) through slot tensors."""
+def _check_rows(pool_row, new: torch.Tensor) -> None:
+    if tuple(pool_row) != (new.shape[1], new.shape[3]):
+        raise ValueError(f"target K/V are [{new.shape[1]}, {new.shape[3]}] per token, the pool holds {tuple(pool_row)}")
+
+
+def paged_target_cache(target_pools, write: torch.Tensor, read: torch.Tensor, states=None) -> Cache:
+    """An HF ``Cache`` whose layers read and write ``target_pools`` (one per layer) through slot tensors.
+
+    ``states``: a ``recurrent.StateAccess`` for targets with recurrent layers (their pools are dicts), else None."""
     flat = write.reshape(-1)
-    return Cache(layers=[PagedTargetLayer(pool, flat, read) for pool in target_pools])
+    layers = []
+    for pool in target_pools:
+        if isinstance(pool, dict):
+            if states is None:
+                raise ValueError("a target with recurrent layers needs state slots for its step")
+            layers.append(states.layer(pool))
+        else:
+            layers.append(PagedTargetLayer(pool, flat, read))
+    return Cache(layers=layers)

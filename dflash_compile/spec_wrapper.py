@@ -21,7 +21,8 @@ from torch import nn
 from .draft_model import DFlashDraftModel
 from .generation import DFlashGenerateOutput, DFlashStats, GenerationArgs, resolve_generation_args
 from .hidden_states import AuxHiddenStates, decoder_layers
-from .kv_cache import PagedKVCache, context_visibility, paged_target_cache, read_slots, write_slots
+from .kv_cache import PagedKVCache, context_visibility, paged_target_cache, probe_layout, read_slots, write_slots
+from .recurrent import StateAccess, step_by_token
 from .rejection import greedy_accept, process_logits, sample_from, speculative_accept
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16)
@@ -66,14 +67,18 @@ def _target_layer_kinds(tcfg) -> tuple[tuple[str, ...] | None, int | None]:
     """``(kinds, window)``: the attention kinds of the target's layers when they differ (one mask per kind, keyed as
     HF keys them), else None (one mask for every layer); and the sliding window. A config with ``layer_types``
     windows only its ``sliding_attention`` layers; one without them but with a ``sliding_window`` (Mistral)
-    windows every layer."""
+    windows every layer. ``linear_attention`` layers (recurrent, e.g. Gated DeltaNet) get a 2-D padding mask."""
     window = getattr(tcfg, "sliding_window", None)
     kinds = getattr(tcfg, "layer_types", None)
     if kinds:
-        unknown = sorted(set(kinds) - {"full_attention", "sliding_attention"})
+        unknown = sorted(set(kinds) - {"full_attention", "sliding_attention", "linear_attention"})
         if unknown:
-            raise NotImplementedError(f"target layer types {unknown} are not supported (full and sliding only)")
-        return (tuple(sorted(set(kinds))), window) if "sliding_attention" in kinds else (None, None)
+            raise NotImplementedError(
+                f"target layer types {unknown} are not supported (full, sliding and linear attention only)"
+            )
+        if len(set(kinds)) == 1 and "sliding_attention" not in kinds:
+            return None, None
+        return tuple(sorted(set(kinds))), window
     return None, window
 
 
@@ -141,6 +146,7 @@ class _Batch:
         self.temperature = torch.ones(num_rows, device=device)
         self.top_k = torch.zeros(num_rows, **long)
         self.top_p = torch.ones(num_rows, device=device)
+        self.state_slots = torch.zeros(num_rows, **long)  # each row's slot in the recurrent-state pools
         self.draft_probs: torch.Tensor | None = None  # [num_rows, B-1, V], allocated when sampling
         self.warm: set[tuple] = set()  # step keys (batch bucket, context pages, sampled) already run
 
@@ -156,7 +162,7 @@ class _Batch:
         last = len(self.rows) - 1
         if i != last:
             for buf in (self.block, self.seq_lens, self.tables, self.active, self.do_sample, self.temperature,
-                        self.top_k, self.top_p) + ((self.draft_probs,) if self.draft_probs is not None else ()):
+                        self.top_k, self.top_p, self.state_slots) + ((self.draft_probs,) if self.draft_probs is not None else ()):
                 buf[i] = buf[last]
             self.rows[i] = self.rows[last]
         self.rows.pop()
@@ -233,7 +239,8 @@ class DFlashSpecWrapper(nn.Module):
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
     def forward(
-        self, block, seq_lens, block_tables, active, target_pools, draft_pool, sampling: SamplingInputs | None = None
+        self, block, seq_lens, block_tables, active, target_pools, draft_pool, sampling: SamplingInputs | None = None,
+        state_slots=None,
     ):
         """One speculative step for a batch bucket of ``Bk`` rows.
 
@@ -241,14 +248,19 @@ class DFlashSpecWrapper(nn.Module):
         ``seq_lens [Bk]`` tokens already in the cache, ``block_tables [Bk, NB]`` (``NB`` pages: the context bucket;
         they must cover every row's positions up to ``seq_lens + B``, capped at capacity), ``active [Bk]`` (False
         for bucket padding), the pools (``target_pools``: one per target layer; written in place), and
-        ``sampling`` (``SamplingInputs``; None: all rows greedy, the greedy-only graph).
+        ``sampling`` (``SamplingInputs``; None: all rows greedy, the greedy-only graph), and ``state_slots [Bk]`` each
+        row's slot in the recurrent-state pools (targets with linear-attention layers only; see ``recurrent.py``).
         Returns ``tokens [Bk, B]`` (accepted drafts then the target's next token, padded with -1),
         ``num_accepted [Bk]``, ``next_block [Bk, B]`` (the new bonus and its drafts) and ``next_draft_probs
         [Bk, B-1, V]`` (None without ``sampling``).
         """
         positions, in_capacity = self._block_positions(block, seq_lens, active)
-        logits, aux = self._verify(block, positions, in_capacity, seq_lens, block_tables, active, target_pools)
+        logits, aux, states = self._verify(
+            block, positions, in_capacity, seq_lens, block_tables, active, target_pools, state_slots
+        )
         tokens, num_accepted, bonus = self._accept(block, logits, active, sampling)
+        if states is not None:  # recurrent layers keep the state after the bonus and the accepted drafts
+            states.commit(num_accepted)
         # Context rows for the drafter: the bonus and the accepted drafts; rejected rows write nowhere.
         accepted = torch.arange(block.shape[1], device=block.device) <= num_accepted[:, None]  # [Bk, B]
         self._inject(aux, positions, accepted & in_capacity, block_tables, draft_pool)
@@ -263,10 +275,12 @@ class DFlashSpecWrapper(nn.Module):
         positions = seq_lens[:, None] + torch.arange(block.shape[1], device=block.device)
         return positions, (positions < self.max_seq_len) & active[:, None]
 
-    def _verify(self, block, positions, in_capacity, seq_lens, block_tables, active, target_pools):
-        """The target over the block: ``(logits [Bk, B, V], context features [Bk, B, n_ids * H])``."""
+    def _verify(self, block, positions, in_capacity, seq_lens, block_tables, active, target_pools, state_slots=None):
+        """The target over the block: ``(logits [Bk, B, V], context features [Bk, B, n_ids * H], StateAccess or
+        None)``; recurrent layers run token by token and keep every position's state until ``commit``."""
         kv_lens = torch.clamp(seq_lens + block.shape[1], max=self.max_seq_len)  # [Bk]
-        return self._target_forward(block, positions, in_capacity, kv_lens, block_tables, active, target_pools)
+        return self._target_forward(block, positions, in_capacity, kv_lens, block_tables, active, target_pools,
+                                    state_slots=state_slots, stepped=True)
 
     def _accept(self, block, logits, active, sampling=None):
         """Acceptance: ``(tokens [Bk, B] padded with -1, num_accepted [Bk], bonus [Bk, 1])``."""
@@ -280,38 +294,42 @@ class DFlashSpecWrapper(nn.Module):
         bonus = tokens.gather(1, num_accepted[:, None])  # [Bk, 1]: the token after the accepted drafts
         return torch.where(active[:, None], tokens, -1), torch.where(active, num_accepted, 0), bonus
 
-    def _target_mask(self, positions, kv_lens, key_pos):
+    def _target_mask(self, positions, kv_lens, key_pos, padding=None):
         """``[Bk, 1, T, S]`` causal visibility over each row's written positions, windowed where the target's layers
-        slide (a dict per layer type for targets mixing full and sliding layers). Bucket-padding rows see nothing;
-        their outputs are ignored."""
-        if self._mask_kinds is None:
-            masks = {None: context_visibility(positions, kv_lens, key_pos, True, self._window)[:, None]}
-        else:
-            masks = {kind: context_visibility(positions, kv_lens, key_pos, True,
-                                              self._window if kind == "sliding_attention" else None)[:, None]
-                     for kind in self._mask_kinds}
+        slide (a dict per layer type for targets mixing layer kinds). Bucket-padding rows see nothing; their outputs
+        are ignored. Recurrent (``linear_attention``) layers get ``padding`` (``[Bk, T]``, True at real tokens, or
+        None), which the model uses to zero left padding before it reaches the state."""
+        kinds = self._mask_kinds or (None,)
+        masks = {kind: context_visibility(positions, kv_lens, key_pos, True,
+                                          self._window if kind in (None, "sliding_attention") else None)[:, None]
+                 for kind in kinds if kind != "linear_attention"}
         if self._eager_mask:  # eager attention adds its mask
             dtype = self.draft.fc.weight.dtype
             masks = {k: torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill(~m, torch.finfo(dtype).min)
                      for k, m in masks.items()}
+        if "linear_attention" in kinds:
+            masks["linear_attention"] = padding
         return masks[None] if self._mask_kinds is None else masks
 
-    def _target_forward(self, ids, positions, write_ok, kv_lens, block_tables, active, target_pools, last_only=False):
-        """Target over ``ids [Bk, T]`` at ``positions``; K/V land in the paged pool. -> (logits, aux hidden)."""
+    def _target_forward(self, ids, positions, write_ok, kv_lens, block_tables, active, target_pools, last_only=False,
+                        state_slots=None, stepped=False):
+        """Target over ``ids [Bk, T]`` at ``positions``; K/V land in the paged pool, recurrent states (``state_slots``)
+        in theirs. -> (logits, aux hidden, ``StateAccess`` or None)."""
         write = write_slots(block_tables, positions, write_ok, self.page_size)
         kv_lens = torch.where(active, kv_lens, 0)
         read, key_pos = read_slots(block_tables, kv_lens, self.page_size)
-        mask = self._target_mask(positions, kv_lens, key_pos)
+        mask = self._target_mask(positions, kv_lens, key_pos, None if stepped else write_ok)
+        states = StateAccess(state_slots, active, stepped) if state_slots is not None else None
         extra = {"logits_to_keep": 1} if last_only and self._logits_to_keep else {}
         out = self.target(
             input_ids=ids,
             position_ids=positions,
             attention_mask=mask,
-            cache=paged_target_cache(target_pools, write, read),
+            cache=paged_target_cache(target_pools, write, read, states),
             use_cache=True,
             **extra,
         )
-        return out.logits, self.aux.read()
+        return out.logits, self.aux.read(), states
 
     def _inject(self, aux, positions, valid, block_tables, draft_pool):
         """Project context rows to every draft layer's K/V and scatter them into the drafter pool."""
@@ -340,21 +358,24 @@ class DFlashSpecWrapper(nn.Module):
 
     # ------------------------------------------------------------------ prefill
     @torch.no_grad()
-    def prefill(self, input_ids, lens, block_tables, target_pools, draft_pool, sampling: SamplingInputs | None = None):
+    def prefill(self, input_ids, lens, block_tables, target_pools, draft_pool, sampling: SamplingInputs | None = None,
+                state_slots=None):
         """Run new prompts through the target into the pools, inject their context features into the drafter's
         cache and draft each one's first block, all rows in one forward.
 
         ``input_ids [n, L]`` left-padded (row ``i``'s prompt is its last ``lens[i]`` tokens), ``block_tables [n,
         NB]`` covering each prompt. Returns ``([n, B], draft_probs)``: each row's first token and its drafts, and
         the drafts' distribution ``[n, B-1, V]`` (None without ``sampling``; there ``sampling.u_bonus`` samples
-        the first token, ``draft_probs``/``u_accept`` are unused)."""
+        the first token, ``draft_probs``/``u_accept`` are unused). ``state_slots [n]``: the rows' recurrent-state
+        slots (hybrid targets), written with each prompt's final state."""
         n, L = input_ids.shape
         positions = torch.arange(L, device=input_ids.device) - (L - lens)[:, None]  # [n, L]; < 0: padding
         real = positions >= 0
         positions = positions.clamp(min=0)  # padding queries sit at 0 and see key 0: no empty softmax row
         active = torch.ones(n, dtype=torch.bool, device=input_ids.device)
-        logits, aux = self._target_forward(
-            input_ids, positions, real, lens, block_tables, active, target_pools, last_only=True
+        logits, aux, _ = self._target_forward(
+            input_ids, positions, real, lens, block_tables, active, target_pools, last_only=True,
+            state_slots=state_slots,
         )
         self._inject(aux, positions, real, block_tables, draft_pool)
         last = logits[:, -1]  # [n, V]: every row's prompt ends at the last column
@@ -371,15 +392,15 @@ class DFlashSpecWrapper(nn.Module):
         p = next(self.target.parameters())
         c = self._cache
         if c is None or c.device != p.device or c.draft_pool.dtype != p.dtype:
-            tcfg = self.target.config.get_text_config()
-            t_heads = getattr(tcfg, "num_key_value_heads", None) or tcfg.num_attention_heads
-            t_dim = getattr(tcfg, "head_dim", None) or tcfg.hidden_size // tcfg.num_attention_heads
+            layout = probe_layout(self.target)  # what each target layer caches, read from HF's own cache
+            self.aux.clear()
+            step_by_token(self.target, layout)
             dcfg = self.draft.config
             self._cache = PagedKVCache(
                 max_batch_size=self.max_batch_size,
                 max_seq_len=self.max_seq_len,
                 page_size=self.page_size,
-                target_shape=(len(decoder_layers(self.target)), t_heads, t_dim),
+                target_layout=layout,
                 draft_shape=(dcfg.num_hidden_layers, dcfg.num_key_value_heads, dcfg.head_dim),
                 dtype=p.dtype,
                 device=p.device,
@@ -520,8 +541,9 @@ class DFlashSpecWrapper(nn.Module):
         # tell the cached graphs apart need to run (one graph per key, told apart by the inputs' shapes).
         key = (bucket, step_inputs[2].shape[1], args.do_sample)
         warm = key in batch.warm and self._compiled_call_impl is not None
+        states = {"state_slots": batch.state_slots[:bucket]} if cache.has_states else {}
         with torch.compiler.set_stance(skip_guard_eval_unsafe=True) if warm else contextlib.nullcontext():
-            tokens, num_accepted, next_block, next_probs = self(*step_inputs, *sampling)
+            tokens, num_accepted, next_block, next_probs = self(*step_inputs, *sampling, **states)
         batch.warm.add(key)
         batch.block[:bucket] = next_block
         batch.seq_lens[:bucket] += num_accepted + batch.active[:bucket]
@@ -582,6 +604,7 @@ class DFlashSpecWrapper(nn.Module):
             self._grow(batch, i, r, r.seq_len, cache)
             batch.seq_lens[i] = r.seq_len
             batch.active[i] = True
+            batch.state_slots[i] = cache.state_slot(r.index)
             batch.do_sample[i], batch.temperature[i], batch.top_k[i], batch.top_p[i] = self._row_sampling(r, args)
         rows = slice(first, first + len(new))
         L = max(len(r.prompt) for r in new)
@@ -599,7 +622,8 @@ class DFlashSpecWrapper(nn.Module):
                 batch.draft_probs[rows], torch.zeros(len(new), B - 1, device=device), u[:, 0], u[:, 1:],
             )
         tables = batch.tables[rows, :pages]
-        block, probs = self.prefill(ids, lens, tables, cache.target_pools, cache.draft_pool, sampling)
+        state_slots = batch.state_slots[rows] if cache.has_states else None
+        block, probs = self.prefill(ids, lens, tables, cache.target_pools, cache.draft_pool, sampling, state_slots)
         batch.block[rows] = block
         if probs is not None:
             batch.draft_probs[rows] = probs

@@ -146,6 +146,7 @@ def test_long_generation_compiles_a_bounded_number_of_graphs():
 
 def test_requests_arriving_together_are_prefilled_in_one_forward():
     target, _, spec = _pair(max_batch_size=4, max_seq_len=64, page_size=8)
+    spec.kv_cache()  # allocating the pools runs the target once on one token (the layout probe)
     prefill_shapes = []
     handle = target.register_forward_pre_hook(
         lambda module, args, kwargs: prefill_shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True

@@ -1,10 +1,22 @@
+import pytest
 import torch
 
-from dflash_compile.kv_cache import TRASH_SLOT, ZERO_SLOT, PagedKVCache, _paged_slots, read_slots, write_slots
+from dflash_compile.kv_cache import (
+    TRASH_SLOT,
+    ZERO_SLOT,
+    AttentionLayout,
+    PagedKVCache,
+    StateLayout,
+    _paged_slots,
+    read_slots,
+    write_slots,
+)
+
+KV = AttentionLayout((2, 8), (2, 8), torch.float32)
 
 
 def _cache(**kw):
-    args = dict(max_batch_size=2, max_seq_len=10, page_size=4, target_shape=(3, 2, 8), draft_shape=(2, 2, 8),
+    args = dict(max_batch_size=2, max_seq_len=10, page_size=4, target_layout=[KV] * 3, draft_shape=(2, 2, 8),
                 dtype=torch.float32, device="cpu")
     return PagedKVCache(**{**args, **kw})
 
@@ -30,6 +42,24 @@ def test_pool_layout_and_extra_slots():
     assert c.blocks_per_seq == 3 and c.num_blocks == 6
     assert [p.shape for p in c.target_pools] == [(2, 6 * 4 + 2, 2, 8)] * 3  # one tensor per target layer
     assert c.draft_pool.shape == (2, 2, 26, 2, 8)
+    assert not c.has_states and c.state_slot(3) == 0
+
+
+def test_pools_follow_each_layers_layout():
+    mla = AttentionLayout((1, 16), (1, 8), torch.float32)  # K and V of different widths: a pool each
+    gdn = StateLayout((("conv0", (64, 4), torch.float32), ("recurrent0", (4, 8, 8), torch.float32)))
+    c = _cache(target_layout=[KV, mla, gdn], max_batch_size=3)
+    kv, (k, v), states = c.target_pools
+    assert kv.shape == (2, 3 * 3 * 4 + 2, 2, 8)
+    assert (k.shape, v.shape) == ((38, 1, 16), (38, 1, 8))
+    assert {n: t.shape for n, t in states.items()} == {"conv0": (5, 64, 4), "recurrent0": (5, 4, 8, 8)}  # 3 + 2
+    assert c.has_states
+    assert [c.state_slot(r) for r in (10, 11, 10)] == [0, 1, 0]  # one slot per request, stable
+    c.free(10)
+    assert c.state_slot(12) == 0  # reused
+    c.state_slot(13)
+    with pytest.raises(RuntimeError, match="out of slots"):
+        c.state_slot(14)
 
 
 def test_allocate_grow_free():

@@ -37,14 +37,52 @@ FAMILIES = {
 }
 
 
+# Targets beyond plain attention: hybrid linear-attention (Gated DeltaNet layers between full-attention ones), MLA,
+# attention sinks with alternating windows and MoE, and every layer sliding without ``layer_types``.
+_GDN = dict(
+    head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+    linear_num_value_heads=4, layer_types=["linear_attention", "full_attention"] * 2,
+)
+_MOE = dict(moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2)
+
+ARCHITECTURES = {
+    "qwen3_5": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM, _GDN, "sdpa"),
+    "qwen3_5_moe": (transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM, {**_GDN, **_MOE}, "sdpa"),
+    "qwen3_next": (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM, {**_GDN, **_MOE}, "sdpa"),
+    "deepseek_v3": (
+        transformers.DeepseekV3Config,
+        transformers.DeepseekV3ForCausalLM,
+        dict(num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16,
+             v_head_dim=12, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+             moe_intermediate_size=32, first_k_dense_replace=1),
+        "sdpa",
+    ),
+    "gpt_oss": (  # HF runs gpt-oss with eager attention only (sinks)
+        transformers.GptOssConfig,
+        transformers.GptOssForCausalLM,
+        dict(intermediate_size=64, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+             layer_types=["sliding_attention", "full_attention"] * 2),
+        "eager",
+    ),
+    "mistral_sliding": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(sliding_window=8), "sdpa"),
+}
+
+
 def tiny_target(family: str, seed: int = 0, dtype=torch.float32, **overrides):
-    config_cls, model_cls, extra = FAMILIES[family]
+    if family in ARCHITECTURES:
+        config_cls, model_cls, extra, attn = ARCHITECTURES[family]
+    else:
+        (config_cls, model_cls, extra), attn = FAMILIES[family], "sdpa"
     config = config_cls(**{**_COMMON, **extra, **overrides})
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = attn
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = model_cls(config)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = None
     model.generation_config.bos_token_id = None
+    if family == "gpt_oss":
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.sinks.normal_(0, 1, generator=torch.Generator().manual_seed(seed))  # non-zero sinks
     return model.to(dtype).eval()

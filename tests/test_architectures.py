@@ -1,0 +1,218 @@
+"""Targets beyond plain attention: hybrid linear-attention (Qwen3.5, Qwen3.5-MoE, Qwen3-Next: Gated DeltaNet recurrent
+states), MLA (DeepSeek-V3: K and V of different widths), gpt-oss (sinks, alternating windows, MoE) and Mistral with a
+``sliding_window`` and no ``layer_types``.
+
+Greedy output is the same whatever the drafter proposes, so each target runs with three drafters: a random one
+(nothing accepted), an always-right one (a zero LM head: every draft accepted) and an oracle that is right for
+exactly ``position % block_size`` drafts of each block. The oracle's acceptance is known in advance, so a recurrent
+state restored to the wrong block position (or a draft pool that misses its context) shows in the tokens AND in the
+per-position acceptance counts.
+"""
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from dflash_compile import DFlashDraftModel, DFlashSpecWrapper
+from dflash_compile.kv_cache import TRASH_SLOT, ZERO_SLOT
+from test_batching import _Recorder
+from test_sampling import PROMPT, TOP_K, V, T, _chi_square_p, _exact_law, one_thread  # noqa: F401
+from tiny_models import VOCAB, tiny_target
+
+ARCHS = ["qwen3_5", "qwen3_5_moe", "qwen3_next", "deepseek_v3", "gpt_oss", "mistral_sliding"]
+HYBRID = "qwen3_5"
+B = 4  # block size
+NEW = 14
+PAD = VOCAB - 2
+LENGTHS = [3, 17, 30]  # longer than the sliding windows and the convolution
+
+
+def _prompts(lengths=LENGTHS, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB - 2, (n,), generator=g).tolist() for n in lengths]
+
+
+def _reference(target, prompt, new=NEW):
+    return target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=new)[0, len(prompt):].tolist()
+
+
+class _Oracle(_Recorder):
+    """Drafts the target's own greedy continuation (``truth``, one row per batch row) for the first
+    ``position % block_size`` draft positions of each block and a wrong token after them."""
+
+    truth: torch.Tensor | None = None
+
+    def _propose(self, bonus, ctx_lens, block_tables, active, draft_pool, sampling=None):
+        block, probs = super()._propose(bonus, ctx_lens, block_tables, active, draft_pool, sampling)
+        if self.truth is None:
+            return block, probs
+        j = torch.arange(1, block.shape[1], device=block.device)
+        idx = (ctx_lens[:, None] + j).clamp(max=self.truth.shape[1] - 1)
+        truth = self.truth[: block.shape[0]].gather(1, idx)
+        right = j[None, :] <= (ctx_lens % block.shape[1])[:, None]
+        return torch.cat([block[:, :1], torch.where(right, truth, (truth + 1) % VOCAB)], dim=1), probs
+
+
+def _oracle_truth(target, prompts, rows):
+    """Each prompt and its greedy continuation, a block past ``NEW`` so that the last block's drafts are known."""
+    rows_ = [p + _reference(target, p, NEW + B) for p in prompts]
+    truth = torch.zeros(rows, 96, dtype=torch.long)  # fixed width (max_seq_len): one compiled graph for any prompts
+    for i, row in enumerate(rows_):
+        truth[i, : len(row)] = torch.tensor(row)
+    return truth
+
+
+def _oracle_acceptance(prompt_len, new=NEW):
+    """Per-position accepted counts the oracle must produce: a block at position ``pos`` accepts ``pos % B``."""
+    per_pos, pos, made = [0] * (B - 1), prompt_len, 1  # prefill made the first token (the bonus at prompt_len)
+    while made < new:
+        a = pos % B
+        for i in range(a):
+            per_pos[i] += 1
+        pos, made = pos + a + 1, made + a + 1
+    return per_pos
+
+
+def _spec(target, drafter, cls=_Oracle, **kw):
+    if drafter == "always_right":
+        with torch.no_grad():
+            target.get_output_embeddings().weight.zero_()  # every logit 0: the target and drafter both pick token 0
+    draft = DFlashDraftModel.from_target(target, num_layers=2, block_size=B, target_layer_ids=[1, 3], seed=0)
+    return cls(target, draft, **{**dict(max_batch_size=4, max_seq_len=96, page_size=8), **kw})
+
+
+@pytest.mark.parametrize("drafter", ["random", "always_right", "oracle"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_lossless(arch, drafter):
+    target = tiny_target(arch)
+    spec = _spec(target, drafter)
+    prompts = _prompts()
+    refs = [_reference(target, p) for p in prompts]
+    for p, ref in zip(prompts, refs):  # batch 1, several prompt lengths
+        if drafter == "oracle":
+            spec.truth = _oracle_truth(target, [p], 1)
+        out = spec.generate([p], max_new_tokens=NEW, return_dict_in_generate=True)
+        assert out.sequences[0, len(p):].tolist() == ref
+        if drafter == "oracle":
+            assert out.per_request[0].num_accepted_tokens_per_pos == _oracle_acceptance(len(p))
+        if drafter == "always_right":
+            assert out.per_request[0].num_accepted_tokens == out.per_request[0].num_draft_tokens
+    if drafter == "oracle":
+        spec.truth = _oracle_truth(target, prompts, 4)
+    out = spec.generate(prompts, max_new_tokens=NEW, pad_token_id=PAD, return_dict_in_generate=True)  # left-padded
+    assert [out.sequences[i, out.prompt_width:].tolist() for i in range(3)] == refs
+    if drafter == "oracle":
+        assert [s.num_accepted_tokens_per_pos for s in out.per_request] == [_oracle_acceptance(n) for n in LENGTHS]
+
+
+def test_pools_sized_from_what_each_layer_caches():
+    # Read from HF's own cache after one token: MLA caches a latent and a rotary key of different widths; a Gated
+    # DeltaNet layer a convolution window and a recurrent state, one slot per running request.
+    mla = tiny_target("deepseek_v3")
+    pools = DFlashSpecWrapper(mla, DFlashDraftModel.from_target(mla, num_layers=1, block_size=B), max_batch_size=2,
+                              max_seq_len=32, page_size=8).kv_cache().target_pools
+    cfg = mla.config
+    assert all(isinstance(p, tuple) for p in pools)
+    assert [(k.shape, v.shape) for k, v in pools][0] == ((2 * 4 * 8 + 2, 1, cfg.kv_lora_rank), (66, 1, cfg.qk_rope_head_dim))
+    hybrid = tiny_target(HYBRID)
+    pools = DFlashSpecWrapper(hybrid, DFlashDraftModel.from_target(hybrid, num_layers=1, block_size=B),
+                              max_batch_size=3, max_seq_len=32, page_size=8).kv_cache().target_pools
+    cfg = hybrid.config
+    conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + cfg.linear_num_value_heads * cfg.linear_value_head_dim
+    assert {n: tuple(t.shape) for n, t in pools[0].items()} == {
+        "conv0": (3 + 2, conv_dim, cfg.linear_conv_kernel_dim),
+        "recurrent0": (3 + 2, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim),
+    }
+    assert pools[1].shape == (2, 3 * 4 * 8 + 2, cfg.num_key_value_heads, cfg.head_dim)
+
+
+def test_hybrid_compiles_to_one_graph_per_bucket():
+    target = tiny_target(HYBRID)
+    prompts = _prompts()
+    refs = [_reference(target, p) for p in prompts]
+    spec = _spec(target, "oracle", context_buckets=(96,))
+    spec.truth = _oracle_truth(target, prompts, 4)
+    eager = spec.generate(prompts, max_new_tokens=NEW, pad_token_id=PAD, return_dict_in_generate=True)
+    counters.clear()
+    torch._dynamo.reset()
+    spec.compile(backend="dflash", fullgraph=True)
+    out = spec.generate(prompts, max_new_tokens=NEW, pad_token_id=PAD, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, eager.sequences)
+    assert out.per_request == eager.per_request  # the same drafts accepted at the same positions
+    assert counters["stats"]["unique_graphs"] == 1  # three rows finishing together: one batch bucket, one context
+    # The passes still fire on the full-attention layers: 2 target + 2 drafter attentions, 2 target K/V writes.
+    assert dict(counters["dflash"]) == {"block_attention": 4, "paged_kv_write": 2 + 3, "fused_kv_proj": 1}
+    later = _prompts(seed=1)  # new prompts of the same lengths: the oracle's steps run the same buckets
+    spec.truth = _oracle_truth(target, later, 4)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        again = spec.generate(later, max_new_tokens=NEW, pad_token_id=PAD, return_dict_in_generate=True)
+    assert [again.sequences[i, again.prompt_width:].tolist() for i in range(3)] == [_reference(target, p) for p in later]
+    assert [s.num_accepted_tokens_per_pos for s in again.per_request] == [_oracle_acceptance(n) for n in LENGTHS]
+
+
+class _StatePoisoner(_Recorder):
+    victim = 1
+
+    def _admit(self, batch, new, cache, args):
+        super()._admit(batch, new, cache, args)
+        if any(r.index == self.victim for r in new) and any(r.index == self.victim for r in batch.rows):
+            slot = cache.state_slot(self.victim)
+            for pool in cache.target_pools:
+                if isinstance(pool, dict):
+                    for state in pool.values():
+                        state[slot] = float("nan")
+
+
+@pytest.mark.parametrize("max_batch_size", [4, 2], ids=["together", "queued_reuse"])
+def test_poisoned_state_slot_does_not_leak(max_batch_size):
+    target = tiny_target(HYBRID)
+    prompts = _prompts([9, 21, 4, 16])
+    clean = _spec(target, "random", _Recorder, max_batch_size=max_batch_size)
+    ref = clean.generate(prompts, max_new_tokens=NEW, pad_token_id=PAD, return_dict_in_generate=True)
+    poisoned = _spec(target, "random", _StatePoisoner, max_batch_size=max_batch_size)
+    out = poisoned.generate(prompts, max_new_tokens=NEW, pad_token_id=PAD, return_dict_in_generate=True)
+    keep = [0, 2, 3]
+    assert torch.equal(out.sequences[keep], ref.sequences[keep])
+    assert [poisoned.drafts[i] for i in keep] == [clean.drafts[i] for i in keep]
+    assert not torch.equal(out.sequences[1], ref.sequences[1])  # the poison really reached the victim's state
+
+
+class _StateAuditor(_Oracle):
+    """After every step: the state pools changed only in live rows' slots (or the trash), never in ZERO_SLOT."""
+
+    def forward(self, *inputs, state_slots=None, **kw):
+        states = [t for pool in inputs[4] if isinstance(pool, dict) for t in pool.values()]
+        before = [t.clone() for t in states]
+        out = super().forward(*inputs, state_slots=state_slots, **kw)
+        allowed = torch.zeros(states[0].shape[0], dtype=torch.bool)
+        allowed[state_slots[inputs[3]]] = True
+        allowed[TRASH_SLOT] = True
+        for old, new in zip(before, states):
+            changed = (old != new).flatten(1).any(1)
+            assert not (changed & ~allowed).any(), "a state write landed outside the live rows' slots"
+            assert not changed[ZERO_SLOT]
+        self.audited = getattr(self, "audited", 0) + 1
+        return out
+
+
+def test_state_writes_stay_in_own_slots():
+    target = tiny_target(HYBRID)
+    spec = _spec(target, "random", _StateAuditor, max_batch_size=4)
+    spec.generate(_prompts([3, 27, 9, 14, 6]), max_new_tokens=NEW, pad_token_id=PAD)
+    assert spec.audited > 3
+
+
+def test_hybrid_sampling_keeps_the_targets_law(one_thread):  # noqa: F811
+    target = tiny_target(HYBRID, vocab_size=V)
+    with torch.no_grad():
+        target.get_output_embeddings().weight.mul_(8)  # a peaked next-token distribution
+    law = _exact_law(target)
+    n = 2000
+    draft = DFlashDraftModel.from_target(target, num_layers=2, block_size=4, target_layer_ids=[1, 3], seed=0)
+    spec = DFlashSpecWrapper(target, draft, max_batch_size=n, batch_buckets=(n,), max_seq_len=16)
+    out = spec.generate([PROMPT] * n, max_new_tokens=3, do_sample=True, temperature=T, top_k=TOP_K,
+                        seed=list(range(n)), pad_token_id=0, return_dict_in_generate=True)
+    new = out.sequences[:, len(PROMPT):]
+    counts = torch.zeros(V ** 3).index_add_(0, new[:, 0] * V * V + new[:, 1] * V + new[:, 2], torch.ones(n))
+    assert 0 < out.num_accepted_tokens < out.num_draft_tokens  # acceptance and rejection both exercised
+    assert _chi_square_p(counts, law * n) > 1e-3
