@@ -156,20 +156,27 @@ def _mixer(layer: nn.Module, index: int) -> tuple[nn.Module, str]:
 def step_by_token(target: nn.Module, layouts) -> None:
     """Make the token mixer of every recurrent layer run one token at a time when it is handed a stepped
     ``PagedStateLayer`` (verify), recording the states after each token; any other cache (HF's own, prefill) runs
-    the mixer unchanged. Installed once per module (an instance-level ``forward``); ``unstep`` removes it."""
+    the mixer unchanged. An instance-level ``forward``, installed once per module and counted per user, so that
+    ``unstep`` by one wrapper leaves it in place for another wrapper over the same target."""
     layers = decoder_layers(target)
     for i, layout in enumerate(layouts):
         if not isinstance(layout, StateLayout):
             continue
         module, cache_arg = _mixer(layers[i], i)
-        if not getattr(vars(module).get("forward"), "_dflash_stepped", False):  # once, whatever the wrappers
-            module.forward = _stepped(module.forward, i, cache_arg)
+        stepped = vars(module).get("forward")
+        if not getattr(stepped, "_dflash_stepped", False):
+            stepped = module.forward = _stepped(module.forward, i, cache_arg)
+        stepped._dflash_users += 1
 
 
 def unstep(target: nn.Module) -> None:
+    """Undo one ``step_by_token`` on ``target``: the mixers get their own forward back with the last user."""
     for module in target.modules():
-        if getattr(vars(module).get("forward"), "_dflash_stepped", False):
-            del module.forward
+        stepped = vars(module).get("forward")
+        if getattr(stepped, "_dflash_stepped", False):
+            stepped._dflash_users -= 1
+            if stepped._dflash_users <= 0:
+                del module.forward
 
 
 def _stepped(inner, layer_idx: int, cache_arg: str):
@@ -194,5 +201,6 @@ def _stepped(inner, layer_idx: int, cache_arg: str):
             layer.end_token()
         return torch.cat(outs, dim=1)
 
-    forward._dflash_stepped = True
-    return functools.wraps(inner)(forward)
+    forward = functools.wraps(inner)(forward)
+    forward._dflash_stepped, forward._dflash_users = True, 0
+    return forward

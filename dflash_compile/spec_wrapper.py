@@ -225,6 +225,7 @@ class DFlashSpecWrapper(nn.Module):
         self._mask_kinds, self._window = _target_layer_kinds(tcfg)
         self._logits_to_keep = "logits_to_keep" in inspect.signature(target.forward).parameters
         self._cache: PagedKVCache | None = None
+        self._stepping = False
 
     @property
     def block_size(self) -> int:
@@ -394,7 +395,9 @@ class DFlashSpecWrapper(nn.Module):
         if c is None or c.device != p.device or c.draft_pool.dtype != p.dtype:
             layout = probe_layout(self.target)  # what each target layer caches, read from HF's own cache
             self.aux.clear()
-            step_by_token(self.target, layout)
+            if not self._stepping:  # recurrent mixers run token by token in verify (recurrent.py)
+                step_by_token(self.target, layout)
+                self._stepping = True
             dcfg = self.draft.config
             self._cache = PagedKVCache(
                 max_batch_size=self.max_batch_size,

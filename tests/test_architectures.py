@@ -15,6 +15,7 @@ from torch._dynamo.utils import counters
 
 from dflash_compile import DFlashDraftModel, DFlashSpecWrapper
 from dflash_compile.kv_cache import TRASH_SLOT, ZERO_SLOT
+from dflash_compile.recurrent import unstep
 from test_batching import _Recorder
 from test_sampling import PROMPT, TOP_K, V, T, _chi_square_p, _exact_law, one_thread  # noqa: F401
 from tiny_models import VOCAB, tiny_target
@@ -53,12 +54,12 @@ class _Oracle(_Recorder):
         return torch.cat([block[:, :1], torch.where(right, truth, (truth + 1) % VOCAB)], dim=1), probs
 
 
-def _oracle_truth(target, prompts, rows):
-    """Each prompt and its greedy continuation, a block past ``NEW`` so that the last block's drafts are known."""
-    rows_ = [p + _reference(target, p, NEW + B) for p in prompts]
-    truth = torch.zeros(rows, 96, dtype=torch.long)  # fixed width (max_seq_len): one compiled graph for any prompts
-    for i, row in enumerate(rows_):
-        truth[i, : len(row)] = torch.tensor(row)
+def _oracle_truth(prompts, longer_refs, rows):
+    """Each prompt and its greedy continuation (``longer_refs``: a block past ``NEW``, so the last block's drafts are
+    known), one row per batch row, at a fixed width (max_seq_len): one compiled graph for any prompts."""
+    truth = torch.zeros(rows, 96, dtype=torch.long)
+    for i, (p, r) in enumerate(zip(prompts, longer_refs)):
+        truth[i, : len(p) + len(r)] = torch.tensor(p + r)
     return truth
 
 
@@ -87,10 +88,11 @@ def test_greedy_lossless(arch, drafter):
     target = tiny_target(arch)
     spec = _spec(target, drafter)
     prompts = _prompts()
-    refs = [_reference(target, p) for p in prompts]
-    for p, ref in zip(prompts, refs):  # batch 1, several prompt lengths
+    longer = [_reference(target, p, NEW + B) for p in prompts]
+    refs = [r[:NEW] for r in longer]
+    for p, ref, long in zip(prompts, refs, longer):  # batch 1, several prompt lengths
         if drafter == "oracle":
-            spec.truth = _oracle_truth(target, [p], 1)
+            spec.truth = _oracle_truth([p], [long], 1)
         out = spec.generate([p], max_new_tokens=NEW, return_dict_in_generate=True)
         assert out.sequences[0, len(p):].tolist() == ref
         if drafter == "oracle":
@@ -98,7 +100,7 @@ def test_greedy_lossless(arch, drafter):
         if drafter == "always_right":
             assert out.per_request[0].num_accepted_tokens == out.per_request[0].num_draft_tokens
     if drafter == "oracle":
-        spec.truth = _oracle_truth(target, prompts, 4)
+        spec.truth = _oracle_truth(prompts, longer, 4)
     out = spec.generate(prompts, max_new_tokens=NEW, pad_token_id=PAD, return_dict_in_generate=True)  # left-padded
     assert [out.sequences[i, out.prompt_width:].tolist() for i in range(3)] == refs
     if drafter == "oracle":
@@ -129,9 +131,8 @@ def test_pools_sized_from_what_each_layer_caches():
 def test_hybrid_compiles_to_one_graph_per_bucket():
     target = tiny_target(HYBRID)
     prompts = _prompts()
-    refs = [_reference(target, p) for p in prompts]
     spec = _spec(target, "oracle", context_buckets=(96,))
-    spec.truth = _oracle_truth(target, prompts, 4)
+    spec.truth = _oracle_truth(prompts, [_reference(target, p, NEW + B) for p in prompts], 4)
     eager = spec.generate(prompts, max_new_tokens=NEW, pad_token_id=PAD, return_dict_in_generate=True)
     counters.clear()
     torch._dynamo.reset()
@@ -143,10 +144,11 @@ def test_hybrid_compiles_to_one_graph_per_bucket():
     # The passes still fire on the full-attention layers: 2 target + 2 drafter attentions, 2 target K/V writes.
     assert dict(counters["dflash"]) == {"block_attention": 4, "paged_kv_write": 2 + 3, "fused_kv_proj": 1}
     later = _prompts(seed=1)  # new prompts of the same lengths: the oracle's steps run the same buckets
-    spec.truth = _oracle_truth(target, later, 4)
+    longer = [_reference(target, p, NEW + B) for p in later]
+    spec.truth = _oracle_truth(later, longer, 4)
     with torch.compiler.set_stance("fail_on_recompile"):
         again = spec.generate(later, max_new_tokens=NEW, pad_token_id=PAD, return_dict_in_generate=True)
-    assert [again.sequences[i, again.prompt_width:].tolist() for i in range(3)] == [_reference(target, p) for p in later]
+    assert [again.sequences[i, again.prompt_width:].tolist() for i in range(3)] == [r[:NEW] for r in longer]
     assert [s.num_accepted_tokens_per_pos for s in again.per_request] == [_oracle_acceptance(n) for n in LENGTHS]
 
 
@@ -216,3 +218,17 @@ def test_hybrid_sampling_keeps_the_targets_law(one_thread):  # noqa: F811
     counts = torch.zeros(V ** 3).index_add_(0, new[:, 0] * V * V + new[:, 1] * V + new[:, 2], torch.ones(n))
     assert 0 < out.num_accepted_tokens < out.num_draft_tokens  # acceptance and rejection both exercised
     assert _chi_square_p(counts, law * n) > 1e-3
+
+
+def test_token_stepping_is_counted_per_wrapper():
+    target = tiny_target(HYBRID)
+    mixer = target.model.layers[0].linear_attn
+    specs = [_spec(target, "random", DFlashSpecWrapper) for _ in range(2)]
+    for spec in specs:
+        spec.kv_cache()
+        spec.kv_cache()  # a second call (or a reallocation) does not count twice
+    assert "forward" in vars(mixer)
+    unstep(target)
+    assert "forward" in vars(mixer)  # the other wrapper still needs it
+    unstep(target)
+    assert "forward" not in vars(mixer) and "forward" not in vars(target.model.layers[2].linear_attn)
