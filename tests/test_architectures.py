@@ -11,6 +11,7 @@ per-position acceptance counts.
 
 import pytest
 import torch
+import transformers
 from torch._dynamo.utils import counters
 
 from dflash_compile import DFlashDraftModel, DFlashSpecWrapper
@@ -232,3 +233,22 @@ def test_token_stepping_is_counted_per_wrapper():
     assert "forward" in vars(mixer)  # the other wrapper still needs it
     unstep(target)
     assert "forward" not in vars(mixer) and "forward" not in vars(target.model.layers[2].linear_attn)
+
+
+def test_qwen3_5_checkpoint_class_with_text_prompts():
+    # Qwen3.5 checkpoints load as the image-text class; text prompts through it are lossless too.
+    from tiny_models import _COMMON, _GDN
+    config = transformers.Qwen3_5Config(
+        text_config={**_COMMON, **_GDN},
+        vision_config=dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=32, out_hidden_size=64),
+    )
+    config._attn_implementation = config.text_config._attn_implementation = "sdpa"
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        target = transformers.Qwen3_5ForConditionalGeneration(config).eval()
+    target.generation_config.eos_token_id = target.generation_config.pad_token_id = None
+    target.generation_config.bos_token_id = None
+    spec = _spec(target, "random", DFlashSpecWrapper)
+    prompts = _prompts([7, 20])
+    out = spec.generate(prompts, max_new_tokens=NEW, pad_token_id=PAD)
+    assert [out[i, -NEW:].tolist() for i in range(2)] == [_reference(target, p) for p in prompts]
