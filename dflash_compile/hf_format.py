@@ -5,8 +5,9 @@ Same drafter math as the DFlash authors' checkpoints, different layout:
 - weights: ``fc`` is ``encoder.fc``, ``hidden_norm`` is ``encoder.output_norm_enc``; ``norm`` and ``layers.N.*`` keep
   their names (``WEIGHT_NAMES``);
 - config: ``block_size``, ``mask_token_id`` and ``target_layer_ids`` at the top level (no ``dflash_config``),
-  ``rope_parameters``, ``layer_types``; fields absent from ``config.json`` take transformers' defaults (its config
-  class parses them: that runs transformers' code, never code from the checkpoint).
+  ``rope_parameters``, ``layer_types``; ``sliding_window`` is one less than ours (an inclusive distance); fields
+  absent from ``config.json`` take transformers' defaults (its config class parses them: that runs transformers'
+  code, never code from the checkpoint).
 
 The format records neither the target's vocabulary size nor its decoder-layer count, which this package checks a
 drafter against; ``transformers_config`` writes them as two extra keys (``vocab_size``, ``num_target_layers``, which
@@ -46,12 +47,6 @@ _SHARED_FIELDS = (
 # transformers' assistant recomputes these RoPE frequencies as the sequence grows (``dynamic_rope_update``); our
 # drafter's rotary embedding is fixed at construction.
 _GROWING_ROPE = ("dynamic", "longrope")
-_SLIDING = (
-    "transformers' DFlash assistant windows sliding_attention layers differently from this drafter (a bidirectional "
-    "|q - k| <= sliding_window mask over a cache that keeps sliding_window - 1 past tokens; ours hides keys "
-    "sliding_window or more positions behind the query), so a drafter with sliding_attention layers has no exact "
-    "equivalent in the other format"
-)
 
 
 def is_transformers_format(raw: Mapping[str, Any]) -> bool:
@@ -67,19 +62,31 @@ def _check_rope(rope: Mapping[str, Any], where: str) -> None:
         )
 
 
+def _check_window(block_size: int, window: int, where: str) -> None:
+    """transformers' assistant shows a query the keys with ``|q - k| <= sliding_window`` (both sides); ours those
+    with ``q - k < sliding_window`` (behind it; every key ahead of it in the block). The two agree, with
+    transformers' ``sliding_window`` = ours - 1, as long as a whole block fits in the window."""
+    if block_size > window:
+        raise ValueError(
+            f"{where}: a block of {block_size} tokens is wider than the sliding window of {window} positions; "
+            "transformers' DFlash assistant hides keys on both sides of a query (|q - k| <= its sliding_window, "
+            "which is ours - 1), ours only behind it, so inside such a block the two formats disagree"
+        )
+
+
 def authors_config(raw: Mapping[str, Any]) -> dict[str, Any]:
     """A transformers-format ``config.json`` (as a dict) -> the same drafter's ``config.json`` in the authors' layout.
 
-    Raises ``ValueError`` for what the authors' drafter cannot represent exactly: ``sliding_attention`` layers,
-    growing RoPE types; and when ``vocab_size`` / ``num_target_layers`` are unknown.
+    Raises ``ValueError`` for what the authors' drafter cannot represent exactly (a block wider than the sliding
+    window, growing RoPE types) and when ``vocab_size`` / ``num_target_layers`` are unknown.
     """
     arch = raw.get("architectures") or []
     if arch and ARCHITECTURE not in arch:
         raise ValueError(f"config.json has model_type {MODEL_TYPE!r} but describes {arch}, not a {ARCHITECTURE}")
     hf = MuseGlimmerAssistantConfig.from_dict(dict(raw))
-    if "sliding_attention" in hf.layer_types:
-        where = "layer_types" if "layer_types" in raw else "layer_types (absent: transformers' default, all sliding)"
-        raise ValueError(f"cannot load a transformers-format drafter whose {where} = {list(hf.layer_types)}: {_SLIDING}")
+    sliding = "sliding_attention" in hf.layer_types
+    if sliding:
+        _check_window(hf.block_size, hf.sliding_window + 1, "cannot load this transformers-format drafter")
     _check_rope(hf.rope_parameters, "cannot load this transformers-format drafter")
     for name in ("vocab_size", "num_target_layers"):
         if getattr(hf, name, None) is None:
@@ -95,6 +102,7 @@ def authors_config(raw: Mapping[str, Any]) -> dict[str, Any]:
         "vocab_size": hf.vocab_size,
         "num_target_layers": hf.num_target_layers,
         "layer_types": list(hf.layer_types),
+        "sliding_window": hf.sliding_window + 1 if sliding else None,
         "block_size": hf.block_size,
         "dflash_config": {
             "block_size": hf.block_size,
@@ -109,15 +117,18 @@ def transformers_config(
 ) -> MuseGlimmerAssistantConfig:
     """Our drafter's configuration as transformers' ``MuseGlimmerAssistantConfig`` (plus ``vocab_size`` and
     ``num_target_layers``, extra keys transformers keeps and ignores). Raises ``ValueError`` where the assistant
-    would compute something else: ``sliding_attention`` layers, growing RoPE types."""
+    would compute something else: a block wider than the sliding window, growing RoPE types."""
+    window = {}  # transformers' default (unused) when no layer slides
     if "sliding_attention" in dflash.layer_types:
-        raise ValueError(f"cannot write layer_types {list(dflash.layer_types)} in transformers' format: {_SLIDING}")
+        _check_window(dflash.block_size, dflash.sliding_window, "cannot write this drafter in transformers' format")
+        window = {"sliding_window": dflash.sliding_window - 1}
     _check_rope(config.rope_parameters, "cannot write this drafter in transformers' format")
     return MuseGlimmerAssistantConfig(
         architectures=[ARCHITECTURE],
         **{name: getattr(config, name) for name in _SHARED_FIELDS},
         rope_parameters=dict(config.rope_parameters),
         layer_types=list(dflash.layer_types),  # transformers' default would be all sliding_attention
+        **window,
         block_size=dflash.block_size,
         mask_token_id=dflash.mask_token_id,
         target_layer_ids=list(dflash.target_layer_ids),

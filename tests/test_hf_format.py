@@ -25,15 +25,22 @@ def target():
     return tiny_target("qwen3")
 
 
-@pytest.fixture(scope="module")
-def draft(target):
+def make_draft(target, layers="full"):
+    """A random drafter; ``layers="sliding"``: its first layer slides over 4 positions (a block fits exactly)."""
+    kinds = {"full": {}, "sliding": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=4)}
     # target_layer_ids include the target's last layer: HF's hidden_states entry for it is the normed output.
-    draft = DFlashDraftModel.from_target(target, num_layers=2, block_size=4, target_layer_ids=[0, 3], seed=1)
+    draft = DFlashDraftModel.from_target(target, num_layers=2, block_size=4, target_layer_ids=[0, 3], seed=1,
+                                         **kinds[layers])
     with torch.no_grad():  # non-trivial norm weights, so a swapped norm would show
         for name, p in draft.named_parameters():
             if name.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5)
     return draft
+
+
+@pytest.fixture(scope="module")
+def draft(target):
+    return make_draft(target)
 
 
 def _prompt(seed=3, n=11):
@@ -118,8 +125,11 @@ def assert_drafts_match(draft, target, steps):
     return worst
 
 
-def test_transformers_drafts_equal_ours(target, draft, tmp_path):
-    """(a) ours -> transformers' format -> transformers' own class: the same drafts at every step of its loop."""
+@pytest.mark.parametrize("layers", ["full", "sliding"])
+def test_transformers_drafts_equal_ours(target, layers, tmp_path):
+    """(a) ours -> transformers' format -> transformers' own class: the same drafts at every step of its loop
+    (the prompt is longer than the sliding window)."""
+    draft = make_draft(target, layers)
     draft.save_pretrained(tmp_path, format="transformers")
     assistant = AutoModel.from_pretrained(tmp_path, dtype=torch.float32)
     assert isinstance(assistant, MuseGlimmerAssistantModel)
@@ -170,13 +180,14 @@ def test_transformers_loop_is_lossless_and_accepts_as_ours(pair, target, draft, 
 
 def _hf_built_checkpoint(path, target):
     """A transformers-format checkpoint written by transformers' own class (random init), sized from ``target``.
-    RMS eps and RoPE are left to transformers' defaults (1e-5, theta 500000)."""
+    RMS eps, RoPE and layer types are left to transformers' defaults (1e-5, theta 500000, all sliding), with a
+    window shorter than the prompt."""
     tc = target.config
     fields = {name: getattr(tc, name) for name in ("hidden_size", "intermediate_size", "num_attention_heads",
                                                   "num_key_value_heads", "head_dim", "max_position_embeddings")}
     fields.update(
         num_hidden_layers=2,
-        layer_types=["full_attention"] * 2,
+        sliding_window=6,
         block_size=5,
         mask_token_id=VOCAB - 2,
         target_layer_ids=[1, 3],
@@ -203,6 +214,7 @@ def test_transformers_built_checkpoint_loads_as_ours(target, tmp_path):
     draft = DFlashDraftModel.from_pretrained(path, num_target_layers=4, vocab_size=VOCAB)
     assert draft.config.rms_norm_eps == 1e-5 and draft.config.rope_parameters["rope_theta"] == 500000.0
     assert draft.block_size == 5 and draft.dflash_config.target_layer_ids == (1, 3)
+    assert draft.dflash_config.layer_types == ("sliding_attention",) * 2 and draft.dflash_config.sliding_window == 7
     assistant = AutoModel.from_pretrained(path, dtype=torch.float32)
     prompt = _prompt(seed=5)
     hf_out, steps = hf_dflash(target, assistant, prompt)
@@ -214,8 +226,10 @@ def test_transformers_built_checkpoint_loads_as_ours(target, tmp_path):
     assert [s["accepted"] for s in steps][:n] == accepted[:n]
 
 
-def test_round_trips_are_bit_identical(target, draft, tmp_path):
+@pytest.mark.parametrize("layers", ["full", "sliding"])
+def test_round_trips_are_bit_identical(target, layers, tmp_path):
     """(d) ours -> transformers -> ours, and transformers -> ours -> transformers, change no bit."""
+    draft = make_draft(target, layers)
     draft.save_pretrained(tmp_path / "hf", format="transformers")
     back = DFlashDraftModel.from_pretrained(tmp_path / "hf")
     assert back.dflash_config == draft.dflash_config
@@ -244,8 +258,7 @@ def _edit(path, drop=(), **changes):
 @pytest.mark.parametrize(
     "edit, message",
     [
-        (dict(layer_types=["sliding_attention", "full_attention"], sliding_window=8), "sliding_attention"),
-        (dict(drop=["layer_types"]), "transformers' default, all sliding"),
+        (dict(layer_types=["sliding_attention", "full_attention"], sliding_window=2), "wider than the sliding window"),
         (dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}), "'dynamic' rescales"),
         (dict(drop=["num_target_layers"]), "num_target_layers=..."),
         (dict(drop=["vocab_size"]), "vocab_size=..."),
@@ -274,11 +287,12 @@ def test_malformed_transformers_checkpoints_raise(draft, tmp_path):
 
 
 def test_save_rejects_what_transformers_would_compute_differently(target, tmp_path):
-    """(e) an unknown format, and a sliding-window drafter in transformers' format, are refused before writing."""
-    draft = DFlashDraftModel.from_target(target, num_layers=2, layer_types=["sliding_attention", "full_attention"],
-                                         sliding_window=8)
+    """(e) an unknown format, and a block wider than the sliding window in transformers' format, are refused
+    before anything is written."""
+    draft = DFlashDraftModel.from_target(target, num_layers=2, block_size=8, sliding_window=6,
+                                         layer_types=["sliding_attention", "full_attention"])
     with pytest.raises(ValueError, match="unknown checkpoint format 'onnx'"):
         draft.save_pretrained(tmp_path / "x", format="onnx")
-    with pytest.raises(ValueError, match="cannot write layer_types"):
+    with pytest.raises(ValueError, match="cannot write .* a block of 8 tokens is wider than the sliding window of 6"):
         draft.save_pretrained(tmp_path / "y", format="transformers")
-    assert not (tmp_path / "x").exists()
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
