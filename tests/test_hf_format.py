@@ -98,8 +98,8 @@ def hf_dflash(target, assistant, prompt, max_new=MAX_NEW):
 
 
 def ours(target, draft, prompt, max_new=MAX_NEW):
-    """Our generate with the accepted drafts of every step."""
-    accepted = []
+    """Our generate, the drafter's logits at every step (``[1, B-1, V]``) and the accepted drafts of every step."""
+    logits, accepted = [], []
     record = DFlashStats.record
 
     def recording(stats, n, a):
@@ -107,9 +107,24 @@ def ours(target, draft, prompt, max_new=MAX_NEW):
         return record(stats, n, a)
 
     spec = DFlashSpecWrapper(target, draft, max_batch_size=1)
-    with mock.patch.object(DFlashStats, "record", recording):
-        out = spec.generate(prompt, max_new_tokens=max_new, return_dict_in_generate=True)
-    return out, accepted
+    hook = draft.register_forward_hook(lambda module, args, out: logits.append(out[:1].detach().clone()))
+    try:
+        with mock.patch.object(DFlashStats, "record", recording):
+            out = spec.generate(prompt, max_new_tokens=max_new, return_dict_in_generate=True)
+    finally:
+        hook.remove()
+    return out, logits, accepted
+
+
+def assert_same_steps(hf_steps_, logits, accepted):
+    """Our generate's steps equal transformers' loop's: the same drafts (logits within tolerance) and the same
+    number accepted. transformers stops drafting when no room is left for a draft, so ours may take one step more."""
+    n = len(hf_steps_)
+    assert len(accepted) in (n, n + 1) and len(logits) >= n
+    for step, mine in zip(hf_steps_, logits):
+        assert torch.equal(mine.argmax(-1), step["drafts"])
+        assert (mine - step["logits"]).abs().max().item() <= LOGIT_ATOL
+    assert [s["accepted"] for s in hf_steps_] == accepted[:n]
 
 
 def assert_drafts_match(draft, target, steps):
@@ -154,8 +169,8 @@ def _default_pair():
 
 @pytest.mark.parametrize("pair", ["tiny", "default_pair"])
 def test_transformers_loop_is_lossless_and_accepts_as_ours(pair, target, draft, tmp_path):
-    """(b) transformers' loop with our drafter equals target greedy, and accepts exactly the drafts ours accepts,
-    step by step (the trained default pair accepts several per step)."""
+    """(b) transformers' loop with our drafter equals target greedy, and drafts and accepts exactly what our
+    generate drafts and accepts, step by step (the trained default pair accepts several per step)."""
     if pair == "default_pair":
         target, draft, prompt = _default_pair()
         max_new = 48
@@ -167,13 +182,9 @@ def test_transformers_loop_is_lossless_and_accepts_as_ours(pair, target, draft, 
     hf_out, steps = hf_dflash(target, assistant, prompt, max_new)
     assert torch.equal(hf_out, reference)
     assert_drafts_match(draft, target, steps)
-    out, accepted = ours(target, draft, prompt, max_new)
+    out, logits, accepted = ours(target, draft, prompt, max_new)
     assert torch.equal(out.sequences, reference)
-    hf_accepted = [s["accepted"] for s in steps]
-    # transformers stops drafting when no room is left for a draft; compare the steps both took.
-    n = min(len(hf_accepted), len(accepted))
-    assert abs(len(hf_accepted) - len(accepted)) <= 1
-    assert hf_accepted[:n] == accepted[:n]
+    assert_same_steps(steps, logits, accepted)
     if pair == "default_pair":
         assert sum(accepted) / len(accepted) > 1.0
 
@@ -220,10 +231,9 @@ def test_transformers_built_checkpoint_loads_as_ours(target, tmp_path):
     hf_out, steps = hf_dflash(target, assistant, prompt)
     assert_drafts_match(draft, target, steps)
     reference = target.generate(prompt, max_new_tokens=MAX_NEW, do_sample=False)
-    out, accepted = ours(target, draft, prompt)
+    out, logits, accepted = ours(target, draft, prompt)
     assert torch.equal(out.sequences, reference) and torch.equal(hf_out, reference)
-    n = min(len(steps), len(accepted))
-    assert [s["accepted"] for s in steps][:n] == accepted[:n]
+    assert_same_steps(steps, logits, accepted)
 
 
 @pytest.mark.parametrize("layers", ["full", "sliding"])
