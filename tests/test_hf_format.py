@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 from unittest import mock
 
@@ -156,7 +157,9 @@ def test_transformers_drafts_equal_ours(target, layers, tmp_path):
     assert all(torch.equal(v, mem[k]) for k, v in assistant.state_dict().items())
 
 
-def _default_pair():
+def _default_pair(sliding=False):
+    """The shipped trained pair (it accepts several drafts per step); ``sliding``: the same drafter weights with
+    its first layer sliding over 8 positions (one block)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dflash_compile.assets import default_pair_paths
@@ -164,15 +167,22 @@ def _default_pair():
     target_dir, draft_dir = default_pair_paths()
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
     prompt = AutoTokenizer.from_pretrained(target_dir)(["def fibonacci(n):\n"], return_tensors="pt")["input_ids"]
-    return target, DFlashDraftModel.from_pretrained(draft_dir, dtype=torch.float32), prompt
+    draft = DFlashDraftModel.from_pretrained(draft_dir, dtype=torch.float32)
+    if sliding:
+        kinds = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=8)
+        config = type(draft.config)(**{**draft.config.to_dict(), **kinds})
+        windowed = DFlashDraftModel(config, dataclasses.replace(draft.dflash_config, **kinds))
+        windowed.load_state_dict(draft.state_dict())
+        draft = windowed.eval()
+    return target, draft, prompt
 
 
-@pytest.mark.parametrize("pair", ["tiny", "default_pair"])
+@pytest.mark.parametrize("pair", ["tiny", "default_pair", "default_pair_sliding"])
 def test_transformers_loop_is_lossless_and_accepts_as_ours(pair, target, draft, tmp_path):
     """(b) transformers' loop with our drafter equals target greedy, and drafts and accepts exactly what our
     generate drafts and accepts, step by step (the trained default pair accepts several per step)."""
-    if pair == "default_pair":
-        target, draft, prompt = _default_pair()
+    if pair.startswith("default_pair"):
+        target, draft, prompt = _default_pair(sliding=pair.endswith("sliding"))
         max_new = 48
     else:
         prompt, max_new = _prompt(), MAX_NEW
@@ -185,7 +195,7 @@ def test_transformers_loop_is_lossless_and_accepts_as_ours(pair, target, draft, 
     out, logits, accepted = ours(target, draft, prompt, max_new)
     assert torch.equal(out.sequences, reference)
     assert_same_steps(steps, logits, accepted)
-    if pair == "default_pair":
+    if pair.startswith("default_pair"):
         assert sum(accepted) / len(accepted) > 1.0
 
 
