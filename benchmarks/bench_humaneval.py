@@ -14,7 +14,7 @@ Methods (``--methods``, default all):
   graphs compiled during the warm-up (per call) and during the timed runs (should be 0).
 - ``hf_prompt_lookup``: prompt lookup decoding, ``prompt_lookup_num_tokens=--lookup-tokens``.
 - ``hf_dflash``: transformers' native DFlash (``assistant_model=A, speculation_type="dflash"``) with ``A``
-  our drafter rebuilt as ``MuseGlimmerAssistantModel`` (``hf_dflash_assistant``).
+  our drafter rebuilt as ``MuseGlimmerAssistantModel`` (``dflash_compile.hf_format.transformers_assistant``).
 - ``hf_assisted``: classic assisted generation with a small assistant on the target's tokenizer (only when
   ``--assistant`` holds one), trained with
 
@@ -60,6 +60,7 @@ from transformers.generation.utils import GenerationMixin  # noqa: E402
 
 from dflash_compile import DFlashDraftModel, DFlashSpecWrapper  # noqa: E402
 from dflash_compile.assets import default_pair_paths  # noqa: E402
+from dflash_compile.hf_format import transformers_assistant  # noqa: E402
 
 METHODS = ("hf_greedy", "hf_compiled", "hf_prompt_lookup", "hf_dflash", "hf_assisted", "dflash_eager",
            "dflash_compiled")
@@ -83,61 +84,6 @@ def _rows(seqs: torch.Tensor, prompt_width: int, eos: int) -> list[list[int]]:
 
 
 # ---------------------------------------------------------------------------------------------- HF DFlash
-def hf_dflash_assistant(draft: DFlashDraftModel, target) -> torch.nn.Module:
-    """Our drafter rebuilt as transformers' ``MuseGlimmerAssistantModel`` (the same math), for
-    ``target.generate(..., assistant_model=A, speculation_type="dflash")``.
-
-    Weights: ``fc`` -> ``encoder.fc``, ``hidden_norm`` -> ``encoder.output_norm_enc``; ``norm`` and
-    ``layers.N.*`` keep their names. Config: the drafter's Qwen3 architecture fields, its ``layer_types``
-    (HF defaults to all ``sliding_attention``), ``block_size`` / ``mask_token_id`` / ``target_layer_ids`` from
-    ``dflash_config``, token ids from the target. Both models borrow the target's embeddings and LM head.
-    """
-    from transformers.models.muse_glimmer_assistant.configuration_muse_glimmer_assistant import (
-        MuseGlimmerAssistantConfig,
-    )
-    from transformers.models.muse_glimmer_assistant.modeling_muse_glimmer_assistant import (
-        MuseGlimmerAssistantModel,
-        MuseGlimmerAssistantRotaryEmbedding,
-    )
-
-    c, d = draft.config, draft.dflash_config
-    tc = target.config.get_text_config()
-    config = MuseGlimmerAssistantConfig(
-        hidden_size=c.hidden_size,
-        intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_hidden_layers,
-        num_attention_heads=c.num_attention_heads,
-        num_key_value_heads=c.num_key_value_heads,
-        head_dim=c.head_dim,
-        rms_norm_eps=c.rms_norm_eps,
-        rope_parameters=dict(c.rope_parameters),
-        max_position_embeddings=c.max_position_embeddings,
-        hidden_act=c.hidden_act,
-        attention_dropout=c.attention_dropout,
-        layer_types=list(d.layer_types),
-        sliding_window=d.sliding_window or c.max_position_embeddings,  # unused unless a layer slides
-        bos_token_id=tc.bos_token_id,
-        eos_token_id=tc.eos_token_id,
-        pad_token_id=tc.pad_token_id,
-        block_size=d.block_size,
-        mask_token_id=d.mask_token_id,
-        target_layer_ids=list(d.target_layer_ids),
-    )
-    config._attn_implementation = "sdpa"
-    ref = next(draft.parameters())
-    with torch.device("meta"):
-        assistant = MuseGlimmerAssistantModel(config)
-    assistant = assistant.to_empty(device=ref.device)
-    # inv_freq is a non-persistent buffer: rebuild it (to_empty leaves it uninitialised)
-    assistant.rotary_emb = MuseGlimmerAssistantRotaryEmbedding(config).to(ref.device)
-    rename = {"fc.weight": "encoder.fc.weight", "hidden_norm.weight": "encoder.output_norm_enc.weight"}
-    state = {rename.get(k, k): v for k, v in draft.state_dict().items()}
-    missing, unexpected = assistant.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise ValueError(f"drafter -> MuseGlimmerAssistantModel: missing {missing}, unexpected {unexpected}")
-    return assistant.to(ref.dtype).eval()
-
-
 class HFSpecCounter:
     """Counts draft steps and accepted drafts of HF's assisted-decoding loop (any candidate generator).
 
@@ -354,7 +300,7 @@ def run(args) -> dict:
                                                              attn_implementation="sdpa").eval()
         else:
             skip["hf_assisted"] = f"no assistant model at {args.assistant}"
-    hf_draft = hf_dflash_assistant(draft, target) if "hf_dflash" in methods else None
+    hf_draft = transformers_assistant(draft) if "hf_dflash" in methods else None
     max_bs = max(batch_sizes)
     specs = {}
     if "dflash_eager" in methods:

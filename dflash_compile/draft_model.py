@@ -19,6 +19,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP
 
 from .config import DFlashConfig, default_target_layer_ids
+from .hf_format import WEIGHT_NAMES, authors_config, is_transformers_format, transformers_config
 from .kv_cache import context_visibility
 
 _CONFIG_NAME = "config.json"
@@ -345,12 +346,22 @@ class DFlashDraftModel(nn.Module):
                 m.weight.fill_(1.0)
 
     @classmethod
-    def from_pretrained(cls, path, dtype: torch.dtype | None = None, device=None) -> "DFlashDraftModel":
-        """Load ``config.json`` + ``*.safetensors`` written in the DFlash authors' format.
+    def from_pretrained(
+        cls,
+        path,
+        dtype: torch.dtype | None = None,
+        device=None,
+        *,
+        num_target_layers: int | None = None,
+        vocab_size: int | None = None,
+    ) -> "DFlashDraftModel":
+        """Load ``config.json`` + ``*.safetensors`` written in the DFlash authors' format or in transformers' own
+        DFlash assistant format (``model_type == "muse_glimmer_assistant"``, see ``hf_format``).
 
         Reads only JSON and safetensors (never executes code from ``path``). Missing, unexpected or
-        mis-shaped weights raise ``ValueError`` naming them. The result is unbound: pass it to
-        ``DFlashSpecWrapper`` (or call ``bind_target``).
+        mis-shaped weights raise ``ValueError`` naming them. ``num_target_layers`` / ``vocab_size`` (the target's)
+        fill in a config that lacks them (transformers' format records neither); one that disagrees with the
+        config raises. The result is unbound: pass it to ``DFlashSpecWrapper`` (or call ``bind_target``).
         """
         from safetensors import safe_open
 
@@ -358,7 +369,11 @@ class DFlashDraftModel(nn.Module):
         cfg_file = path / _CONFIG_NAME
         if not cfg_file.is_file():
             raise FileNotFoundError(f"no {_CONFIG_NAME} in {path}")
-        raw = json.loads(cfg_file.read_text())
+        raw = _with_target_facts(json.loads(cfg_file.read_text()), num_target_layers=num_target_layers,
+                                 vocab_size=vocab_size)
+        names = {}  # our weight name -> the checkpoint's
+        if is_transformers_format(raw):
+            raw, names = authors_config(raw), WEIGHT_NAMES
         arch = raw.get("architectures") or []
         if arch and "DFlashDraftModel" not in arch:
             raise ValueError(f"{cfg_file} describes {arch}, not a DFlashDraftModel")
@@ -376,7 +391,7 @@ class DFlashDraftModel(nn.Module):
                     state[key] = st.get_tensor(key)
         with torch.device("meta"):
             model = cls(config, dflash)
-        expected = {k: v.shape for k, v in model.state_dict().items()}
+        expected = {names.get(k, k): v.shape for k, v in model.state_dict().items()}
         missing = sorted(set(expected) - set(state))
         unexpected = sorted(set(state) - set(expected))
         wrong = sorted(
@@ -394,31 +409,52 @@ class DFlashDraftModel(nn.Module):
         if problems:
             raise ValueError(f"malformed DFlash checkpoint {path}: " + ", ".join(problems))
         model = model.to_empty(device=device or "cpu")
-        model.load_state_dict(state, strict=True)
+        ours = {v: k for k, v in names.items()}
+        model.load_state_dict({ours.get(k, k): v for k, v in state.items()}, strict=True)
         model.rotary_emb = DFlashRotaryEmbedding(config).to(device=device or "cpu")  # buffers were on meta
         if dtype is not None:
             model = model.to(dtype=dtype)
         return model
 
-    def save_pretrained(self, path) -> None:
-        """Write ``config.json`` + ``model.safetensors`` in the published format."""
+    def save_pretrained(self, path, format: str = "dflash") -> None:
+        """Write ``config.json`` + ``model.safetensors``: ``format="dflash"`` in the DFlash authors' published
+        layout, ``"transformers"`` in transformers' own DFlash assistant layout (``hf_format``), which
+        ``AutoModel.from_pretrained`` loads for ``generate(assistant_model=..., speculation_type="dflash")``."""
         from safetensors.torch import save_file
 
+        if format not in ("dflash", "transformers"):
+            raise ValueError(f"unknown checkpoint format {format!r}: expected 'dflash' or 'transformers'")
+        names = {}  # our weight name -> the checkpoint's
+        if format == "transformers":
+            dtype = next(self.parameters()).dtype
+            cfg, names = transformers_config(self.config, self.dflash_config, dtype).to_dict(), WEIGHT_NAMES
+        else:
+            cfg = self.config.to_dict()
+            for k in ("dflash_config", "target_layer_ids", "mask_token_id"):
+                cfg.pop(k, None)
+            cfg.update(self.dflash_config.to_dict())
+            cfg["architectures"] = ["DFlashDraftModel"]
+            cfg["model_type"] = "qwen3"
+            # Also the legacy flat rope_theta that published checkpoints carry.
+            rope = cfg.get("rope_parameters") or {}
+            if "rope_theta" in rope:
+                cfg["rope_theta"] = rope["rope_theta"]
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        cfg = self.config.to_dict()
-        for k in ("dflash_config", "target_layer_ids", "mask_token_id"):
-            cfg.pop(k, None)
-        cfg.update(self.dflash_config.to_dict())
-        cfg["architectures"] = ["DFlashDraftModel"]
-        cfg["model_type"] = "qwen3"
-        # Also the legacy flat rope_theta that published checkpoints carry.
-        rope = cfg.get("rope_parameters") or {}
-        if "rope_theta" in rope:
-            cfg["rope_theta"] = rope["rope_theta"]
         (path / _CONFIG_NAME).write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        state = {names.get(k, k): v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
         save_file(state, str(path / _WEIGHTS_NAME), metadata={"format": "pt"})
+
+
+def _with_target_facts(raw: dict, **facts: int | None) -> dict:
+    """``raw`` with the given target facts (``num_target_layers``, ``vocab_size``) filled in where it lacks them."""
+    for name, value in facts.items():
+        if value is None:
+            continue
+        if raw.get(name) is not None and raw[name] != value:
+            raise ValueError(f"{name}={value} was passed, but the checkpoint's config.json says {raw[name]}")
+        raw = {**raw, name: value}
+    return raw
 
 
 def _full_attention_rope(tcfg) -> dict:
