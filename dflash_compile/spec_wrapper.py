@@ -212,6 +212,11 @@ class DFlashSpecWrapper(nn.Module):
         self.max_seq_len = max_seq_len or min(tcfg.max_position_embeddings, 2048)
         if self.max_seq_len < 2:
             raise ValueError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
+        if self.block_size > self.max_seq_len:  # a block must fit in a request's capacity
+            raise ValueError(
+                f"the drafter's block_size {self.block_size} is larger than max_seq_len={self.max_seq_len}, the "
+                f"tokens a request may hold: a block that long can never be verified"
+            )
         self.page_size = page_size
         self.batch_buckets = tuple(sorted({b for b in batch_buckets if 0 < b < max_batch_size} | {max_batch_size}))
         self.context_buckets = _context_pages(context_buckets, self.max_seq_len, page_size)
