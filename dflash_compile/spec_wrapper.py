@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import numbers
 from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -636,10 +637,15 @@ class DFlashSpecWrapper(nn.Module):
                 raise ValueError("attention_mask goes with a tensor input_ids, not with a list of prompts")
             if not input_ids:
                 raise ValueError("no prompts given")
-            if isinstance(input_ids[0], int):
+            if isinstance(input_ids[0], numbers.Number):
                 input_ids = [input_ids]
+            bad = [t for p in input_ids for t in p if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
+            if bad:
+                raise TypeError(f"input_ids must hold integer token ids, got {bad[0]!r}")
             return [list(map(int, p)) for p in input_ids], None
         ids = torch.as_tensor(input_ids)
+        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+            raise TypeError(f"input_ids must hold integer token ids, got a {ids.dtype} tensor")
         if ids.dim() == 1:
             ids = ids[None]
         if ids.dim() != 2 or ids.shape[0] == 0:
