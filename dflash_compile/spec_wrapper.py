@@ -624,7 +624,7 @@ class DFlashSpecWrapper(nn.Module):
             args.streamer.put(torch.tensor([token]))
         if token in args.eos_token_ids:
             r.finish_reason = "stop"
-        elif args.stop_strings and _has_stop_string(args.tokenizer.decode(r.new), args.stop_strings):
+        elif args.stop_strings and _ends_with_stop_string(args.tokenizer, r.new, args.stop_strings):
             r.finish_reason = "stop"
         elif len(r.new) >= args.max_new_tokens or len(r.prompt) + len(r.new) >= self.max_seq_len:
             r.finish_reason = "length"
@@ -666,8 +666,20 @@ class DFlashSpecWrapper(nn.Module):
         return [ids_cpu[i][mask[i]].tolist() for i in range(ids.shape[0])], ids
 
 
-def _has_stop_string(text: str, stop_strings: tuple[str, ...]) -> bool:
-    return any(s in text for s in stop_strings)
+def _ends_with_stop_string(tokenizer, tokens: list[int], stop_strings: tuple[str, ...]) -> bool:
+    """Whether the text of ``tokens`` has a stop string that its last token completes.
+
+    Every earlier token was checked when it came, so only a tail window is decoded (never the whole generation):
+    enough tokens that the text before the last token's own has the longest stop string's length plus 3 characters
+    (slack for a UTF-8 character split at the window's edge), doubling the window while tokens decode to less."""
+    longest = max(map(len, stop_strings))
+    last = len(tokenizer.decode(tokens[-1:]))
+    n = longest
+    while True:
+        text = tokenizer.decode(tokens[-n:])
+        if n >= len(tokens) or len(text) - last >= longest + 3:
+            return any(s in text for s in stop_strings)
+        n *= 2
 
 
 def check_tokenizer(tokenizer, target: nn.Module) -> None:
