@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import inspect
 import numbers
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -208,7 +209,8 @@ class DFlashSpecWrapper(nn.Module):
             raise ValueError(f"max_batch_size and page_size must be >= 1, got {max_batch_size}, {page_size}")
         self.target = target
         self.draft = draft.bind_target(target)
-        self.aux = AuxHiddenStates(target, draft.dflash_config.target_layer_ids)
+        self.aux = AuxHiddenStates(target, draft.dflash_config.target_layer_ids, enabled=False)
+        self._remove_hooks = weakref.finalize(self, self.aux.remove)  # at close(), or when the wrapper goes
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len or min(tcfg.max_position_embeddings, 2048)
         if self.max_seq_len < 2:
@@ -229,6 +231,19 @@ class DFlashSpecWrapper(nn.Module):
     @property
     def block_size(self) -> int:
         return self.draft.block_size
+
+    def close(self) -> None:
+        """Remove this wrapper's forward hooks from the target and drop its KV pools (idempotent; also done when
+        the wrapper is garbage-collected). ``generate`` afterwards is an error. ``with DFlashSpecWrapper(...) as
+        spec:`` closes on exit."""
+        self._remove_hooks()
+        self._cache = None
+
+    def __enter__(self) -> "DFlashSpecWrapper":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def compile(self, *args, **kwargs):
         """``nn.Module.compile`` with ``dynamic=False`` by default: every (batch, context) bucket is its own
@@ -309,6 +324,7 @@ class DFlashSpecWrapper(nn.Module):
         read, key_pos = read_slots(block_tables, kv_lens, self.page_size)
         mask = self._target_mask(positions, kv_lens, key_pos)
         extra = {"logits_to_keep": 1} if last_only and self._logits_to_keep else {}
+        self.aux.enabled = True  # the hooks record this forward only, and read() forgets it
         out = self.target(
             input_ids=ids,
             position_ids=positions,
@@ -317,6 +333,7 @@ class DFlashSpecWrapper(nn.Module):
             use_cache=True,
             **extra,
         )
+        self.aux.enabled = False
         return out.logits, self.aux.read()
 
     def _inject(self, aux, positions, valid, block_tables, draft_pool):
@@ -425,6 +442,8 @@ class DFlashSpecWrapper(nn.Module):
         batch, or one per request) or ``generator`` (one ``torch.Generator``, or one per request) seeds each
         request's own RNG; with neither, the seeds come from torch's global RNG (``torch.manual_seed``).
         """
+        if not self._remove_hooks.alive:
+            raise RuntimeError("this DFlashSpecWrapper is closed (its hooks on the target are removed): make a new one")
         device = next(self.target.parameters()).device
         pad_for_inference = pad_token_id
         if pad_for_inference is None:
