@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import numbers
 import weakref
@@ -23,7 +24,9 @@ from torch import nn
 from .draft_model import DFlashDraftModel
 from .generation import DFlashGenerateOutput, DFlashStats, GenerationArgs, resolve_generation_args
 from .hidden_states import AuxHiddenStates, decoder_layers
-from .kv_cache import PagedKVCache, context_visibility, paged_target_cache, read_slots, write_slots
+from .kv_cache import (
+    PagedKVCache, available_memory, context_visibility, paged_target_cache, read_slots, write_slots,
+)
 from .rejection import greedy_accept, process_logits, sample_from, speculative_accept
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16)
@@ -180,6 +183,12 @@ class DFlashSpecWrapper(nn.Module):
             capacity is always one). A step runs at the smallest that holds every live row's context and block,
             so attention costs what the live context needs, not the capacity. Default: 128, 256, 512, ... up to
             ``max_seq_len``. Each (batch bucket, context bucket) pair is one static step graph when compiled.
+        max_cache_bytes: the most the KV pools may take (default: the memory available on the target's device when
+            they are allocated). They are allocated at ``generate``, eager for what its requests can need (the
+            concurrent ones, ``min(max_batch_size, requests)``, each ``prompt + max_new_tokens + block_size``
+            tokens at most), growing for a later call that needs more; compiled at the capacity, ``max_batch_size``
+            requests of ``max_seq_len`` tokens, as the step graphs are static in the pools' shapes. Pools that do
+            not fit are a ``ValueError`` naming the bytes, before anything is allocated.
 
     ``generate`` follows HF ``generate``; greedy output is token-identical to ``target.generate``.
     """
@@ -195,6 +204,7 @@ class DFlashSpecWrapper(nn.Module):
         page_size: int = 16,
         batch_buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS,
         context_buckets: tuple[int, ...] | None = None,
+        max_cache_bytes: int | None = None,
     ):
         super().__init__()
         validate_pair(target, draft, num_speculative_tokens)
@@ -227,6 +237,7 @@ class DFlashSpecWrapper(nn.Module):
         self._mask_kinds, self._window = _target_layer_kinds(tcfg)
         self._logits_to_keep = "logits_to_keep" in inspect.signature(target.forward).parameters
         self._cache: PagedKVCache | None = None
+        self.max_cache_bytes = max_cache_bytes
 
     @property
     def block_size(self) -> int:
@@ -389,25 +400,43 @@ class DFlashSpecWrapper(nn.Module):
         return self._propose(bonus, lens, block_tables, active, draft_pool, sampling)
 
     # ------------------------------------------------------------------ host loop
-    def kv_cache(self) -> PagedKVCache:
-        """The paged pools, (re)allocated on the target's device and dtype when needed."""
+    def kv_cache(self, num_blocks: int | None = None) -> PagedKVCache:
+        """The paged pools with at least ``num_blocks`` KV blocks (default: the capacity, ``max_batch_size`` requests
+        of ``max_seq_len`` tokens), (re)allocated on the target's device and dtype when needed."""
         p = next(self.target.parameters())
+        num_blocks = num_blocks or self.max_batch_size * -(-self.max_seq_len // self.page_size)
         c = self._cache
-        if c is None or c.device != p.device or c.draft_pool.dtype != p.dtype:
+        if c is None or c.device != p.device or c.draft_pool.dtype != p.dtype or c.num_blocks < num_blocks:
+            self._cache = None  # the old pools go first: the new ones are checked against the memory left
             tcfg = self.target.config.get_text_config()
             t_heads = getattr(tcfg, "num_key_value_heads", None) or tcfg.num_attention_heads
             t_dim = getattr(tcfg, "head_dim", None) or tcfg.hidden_size // tcfg.num_attention_heads
             dcfg = self.draft.config
-            self._cache = PagedKVCache(
+            pools = functools.partial(
+                PagedKVCache,
                 max_batch_size=self.max_batch_size,
                 max_seq_len=self.max_seq_len,
                 page_size=self.page_size,
                 target_shape=(len(decoder_layers(self.target)), t_heads, t_dim),
                 draft_shape=(dcfg.num_hidden_layers, dcfg.num_key_value_heads, dcfg.head_dim),
                 dtype=p.dtype,
-                device=p.device,
+                num_blocks=num_blocks,
             )
+            need = pools(device="meta").nbytes  # sized on the meta device: nothing allocated yet
+            allowed = self.max_cache_bytes if self.max_cache_bytes is not None else available_memory(p.device)
+            if allowed is not None and need > allowed:
+                raise ValueError(
+                    f"the KV pools need {need} bytes ({num_blocks} blocks of {self.page_size} tokens), more than "
+                    + (f"max_cache_bytes={allowed}" if self.max_cache_bytes is not None
+                       else f"the {allowed} bytes available on {p.device}")
+                    + ": fewer or shorter concurrent requests (max_batch_size, max_seq_len, max_new_tokens) need less"
+                )
+            self._cache = pools(device=p.device)
         return self._cache
+
+    def kv_cache_bytes(self) -> int:
+        """Bytes the KV pools hold now (0 before the first ``generate``)."""
+        return self._cache.nbytes if self._cache is not None else 0
 
     def _context_bucket(self, num_tokens: int) -> int:
         """Pages of the smallest context bucket that holds ``num_tokens`` positions (capped at capacity)."""
@@ -516,10 +545,12 @@ class DFlashSpecWrapper(nn.Module):
         )
 
     def _run(self, requests: list[_Request], args: GenerationArgs, device) -> None:
-        cache = self.kv_cache()
-        batch = _Batch(self.max_batch_size, self.block_size, cache.blocks_per_seq, device)
-        waiting = deque(requests)
         compiled = self._compiled_call_impl is not None
+        rows = min(self.max_batch_size, len(requests))  # at once; each needs at most prompt + new tokens + a block
+        longest = min(self.max_seq_len, max(len(r.prompt) for r in requests) + args.max_new_tokens + self.block_size)
+        cache = self.kv_cache(None if compiled else rows * -(-longest // self.page_size))
+        batch = _Batch(next(b for b in self.batch_buckets if b >= rows), self.block_size, cache.blocks_per_seq, device)
+        waiting = deque(requests)
         # Each (batch bucket, context bucket, sampled) key is one static graph, and every wrapper shares forward's
         # code object, hence one dynamo cache: lift the per-code-object limit to dynamo's overall one.
         cfg = torch._dynamo.config

@@ -300,7 +300,7 @@ def test_huge_max_batch_size_with_one_prompt(target):
 def test_pools_over_the_allowed_memory_are_refused_naming_the_bytes(target):
     spec = DFlashSpecWrapper(target, _draft(target), max_batch_size=4, max_seq_len=64, page_size=8,
                              max_cache_bytes=10_000)
-    with pytest.raises(ValueError, match=r"needs \d+ bytes .*max_cache_bytes=10000"):
+    with pytest.raises(ValueError, match=r"need \d+ bytes .*max_cache_bytes=10000"):
         spec.generate([PROMPT], max_new_tokens=8)
     assert spec._cache is None
 
