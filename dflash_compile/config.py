@@ -55,7 +55,8 @@ class DFlashConfig:
 
     def __post_init__(self):
         # Normalise sequences (JSON lists) to tuples so the dataclass stays hashable and immutable.
-        object.__setattr__(self, "target_layer_ids", tuple(_integer("target_layer_ids", i) for i in self.target_layer_ids))
+        ids = tuple(_integer("target_layer_ids", i) for i in self.target_layer_ids)
+        object.__setattr__(self, "target_layer_ids", ids)
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
         if _integer("block_size", self.block_size) < 2:
             raise ValueError(f"block_size must be an int >= 2 (one bonus token + drafts), got {self.block_size!r}")

@@ -393,7 +393,9 @@ class DFlashDraftModel(nn.Module):
             for k in set(header) & set(expected)
             if header[k][1] != tuple(expected[k])
         )
-        not_float = sorted(f"{f.name}: {k!r} is {dt}" for k, (f, _, dt) in header.items() if not dt.startswith(("F", "BF")))
+        not_float = sorted(
+            f"{f.name}: {k!r} is {dt}" for k, (f, _, dt) in header.items() if not dt.startswith(("F", "BF"))
+        )
         problems = []
         if missing:
             problems.append(f"missing weights {missing}")

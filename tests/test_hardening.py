@@ -63,7 +63,7 @@ def test_resume_refuses_a_checkpoint_that_would_run_code(target, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- block_size bounds
-@pytest.mark.parametrize("block_size", [1.5, 2.5, 16.0, "8", True, None])
+@pytest.mark.parametrize("block_size", [1.5, 2.5, 16.0, 1e6, "8", True, None])
 def test_block_size_from_a_config_must_be_an_integer(block_size):
     raw = {"block_size": block_size, "dflash_config": {"mask_token_id": 5, "target_layer_ids": [1]},
            "num_target_layers": 4, "num_hidden_layers": 1}
@@ -171,7 +171,8 @@ def test_names_and_shapes_are_checked_from_the_header_before_reading(saved, monk
 
 # ---------------------------------------------------------------------------------------------- train_drafter --out
 def _train_cli():
-    spec = importlib.util.spec_from_file_location("train_drafter_cli", os.path.join(ROOT, "examples", "train_drafter.py"))
+    path = os.path.join(ROOT, "examples", "train_drafter.py")
+    spec = importlib.util.spec_from_file_location("train_drafter_cli", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -182,7 +183,8 @@ def test_train_drafter_out_may_not_be_the_target(tmp_path, capsys, where):
     tdir = tmp_path / "target"
     tdir.mkdir()
     (tdir / "config.json").write_text("{}")
-    out = {"same": tdir, "inside": tdir / "drafter", "symlink": tmp_path / "link", "dotted": tmp_path / "x" / ".." / "target"}[where]
+    out = {"same": tdir, "inside": tdir / "drafter", "symlink": tmp_path / "link",
+           "dotted": tmp_path / "x" / ".." / "target"}[where]
     if where == "symlink":
         out.symlink_to(tdir)
     with pytest.raises(SystemExit):
