@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 _LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _integer(name: str, value: Any) -> int:
+    """``value`` if it is an integer (a JSON int, not a bool, a float or a string), else ``ValueError``: a config
+    value is never truncated or parsed into one."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    return int(value)
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
@@ -46,13 +55,14 @@ class DFlashConfig:
 
     def __post_init__(self):
         # Normalise sequences (JSON lists) to tuples so the dataclass stays hashable and immutable.
-        object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
+        ids = tuple(_integer("target_layer_ids", i) for i in self.target_layer_ids)
+        object.__setattr__(self, "target_layer_ids", ids)
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
-        if not isinstance(self.block_size, int) or self.block_size < 2:
+        if _integer("block_size", self.block_size) < 2:
             raise ValueError(f"block_size must be an int >= 2 (one bonus token + drafts), got {self.block_size!r}")
-        if not isinstance(self.mask_token_id, int) or self.mask_token_id < 0:
+        if _integer("mask_token_id", self.mask_token_id) < 0:
             raise ValueError(f"mask_token_id must be a non-negative int, got {self.mask_token_id!r}")
-        if not isinstance(self.num_target_layers, int) or self.num_target_layers < 1:
+        if _integer("num_target_layers", self.num_target_layers) < 1:
             raise ValueError(f"num_target_layers must be a positive int, got {self.num_target_layers!r}")
         if not self.target_layer_ids:
             raise ValueError("target_layer_ids must name at least one target layer")
@@ -97,7 +107,7 @@ class DFlashConfig:
             raise ValueError("config has no mask_token_id (dflash_config.mask_token_id)")
         if "num_hidden_layers" not in config:
             raise ValueError("config has no num_hidden_layers")
-        num_layers = int(config["num_hidden_layers"])
+        num_layers = _integer("num_hidden_layers", config["num_hidden_layers"])
         num_target_layers = config.get("num_target_layers")
         if num_target_layers is None:
             raise ValueError("config has no num_target_layers")
@@ -106,13 +116,13 @@ class DFlashConfig:
             raise ValueError(f"layer_types has {len(layer_types)} entries for {num_layers} drafter layers")
         target_layer_ids = dflash.get("target_layer_ids", config.get("target_layer_ids"))
         if target_layer_ids is None:
-            target_layer_ids = default_target_layer_ids(int(num_target_layers), num_layers)
+            target_layer_ids = default_target_layer_ids(_integer("num_target_layers", num_target_layers), num_layers)
         return cls(
-            block_size=int(block_size),
-            mask_token_id=int(mask_token_id),
+            block_size=block_size,
+            mask_token_id=mask_token_id,
             target_layer_ids=tuple(target_layer_ids),
             layer_types=tuple(layer_types),
-            num_target_layers=int(num_target_layers),
+            num_target_layers=num_target_layers,
             sliding_window=config.get("sliding_window") if "sliding_attention" in layer_types else None,
         )
 

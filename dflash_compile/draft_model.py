@@ -7,7 +7,9 @@ one projection of the context features (``context_kv``) and are written to a cac
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -18,12 +20,14 @@ from transformers import Qwen3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP
 
-from .config import DFlashConfig, default_target_layer_ids
+from .config import DFlashConfig, _integer, default_target_layer_ids
 from .hf_format import WEIGHT_NAMES, authors_config, is_transformers_format, transformers_config
 from .kv_cache import context_visibility
 
 _CONFIG_NAME = "config.json"
 _WEIGHTS_NAME = "model.safetensors"
+_POSITIVE_SIZES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                   "intermediate_size", "vocab_size")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -358,13 +362,13 @@ class DFlashDraftModel(nn.Module):
         """Load ``config.json`` + ``*.safetensors`` written in the DFlash authors' format or in transformers' own
         DFlash assistant format (``model_type == "muse_glimmer_assistant"``, see ``hf_format``).
 
-        Reads only JSON and safetensors (never executes code from ``path``). Missing, unexpected or
-        mis-shaped weights raise ``ValueError`` naming them. ``num_target_layers`` / ``vocab_size`` (the target's)
-        fill in a config that lacks them (transformers' format records neither); one that disagrees with the
-        config raises. The result is unbound: pass it to ``DFlashSpecWrapper`` (or call ``bind_target``).
+        Reads only JSON and safetensors (never executes code from ``path``). A ``ValueError`` names what is wrong:
+        sizes that are not positive integers, ``rms_norm_eps`` or ``rope_theta`` not > 0, then (from the files'
+        headers, before any tensor is read) missing, unexpected, mis-shaped or non-floating weights, a file that
+        cannot be read (truncated), and last weights with NaN or inf. ``num_target_layers`` / ``vocab_size`` (the
+        target's) fill in a config that lacks them (transformers' format records neither); one that disagrees with
+        the config raises. The result is unbound: pass it to ``DFlashSpecWrapper`` (or call ``bind_target``).
         """
-        from safetensors import safe_open
-
         path = Path(path)
         cfg_file = path / _CONFIG_NAME
         if not cfg_file.is_file():
@@ -377,27 +381,35 @@ class DFlashDraftModel(nn.Module):
         arch = raw.get("architectures") or []
         if arch and "DFlashDraftModel" not in arch:
             raise ValueError(f"{cfg_file} describes {arch}, not a DFlashDraftModel")
-        dflash = DFlashConfig.from_dict(raw)
-        config = _qwen3_config(raw, dflash)
+        try:
+            dflash = DFlashConfig.from_dict(raw)
+            config = _qwen3_config(raw, dflash)
+        except ValueError as e:
+            raise ValueError(f"{cfg_file}: {e}") from None
         files = sorted(path.glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"no *.safetensors weights in {path}")
-        state: dict[str, torch.Tensor] = {}
-        for f in files:
-            with safe_open(str(f), framework="pt") as st:
-                for key in st.keys():
-                    if key in state:
-                        raise ValueError(f"weight {key!r} appears in more than one file of {path}")
-                    state[key] = st.get_tensor(key)
         with torch.device("meta"):
             model = cls(config, dflash)
         expected = {names.get(k, k): v.shape for k, v in model.state_dict().items()}
-        missing = sorted(set(expected) - set(state))
-        unexpected = sorted(set(state) - set(expected))
+        # Names, shapes and dtypes from the files' headers: nothing is read into memory before they check out.
+        header: dict[str, tuple[Path, tuple[int, ...], str]] = {}
+        for f in files:
+            with _safetensors(f) as st:
+                for key in st.keys():
+                    if key in header:
+                        raise ValueError(f"weight {key!r} appears in more than one file of {path}")
+                    tensor = st.get_slice(key)
+                    header[key] = (f, tuple(tensor.get_shape()), tensor.get_dtype())
+        missing = sorted(set(expected) - set(header))
+        unexpected = sorted(set(header) - set(expected))
         wrong = sorted(
-            f"{k}: checkpoint {tuple(state[k].shape)}, expected {tuple(expected[k])}"
-            for k in set(state) & set(expected)
-            if state[k].shape != expected[k]
+            f"{k}: checkpoint {header[k][1]}, expected {tuple(expected[k])}"
+            for k in set(header) & set(expected)
+            if header[k][1] != tuple(expected[k])
+        )
+        not_float = sorted(
+            f"{f.name}: {k!r} is {dt}" for k, (f, _, dt) in header.items() if not dt.startswith(("F", "BF"))
         )
         problems = []
         if missing:
@@ -406,8 +418,17 @@ class DFlashDraftModel(nn.Module):
             problems.append(f"unexpected weights {unexpected}")
         if wrong:
             problems.append(f"wrong shapes [{'; '.join(wrong)}]")
+        if not_float:
+            problems.append(f"weights that are not floating point [{'; '.join(not_float)}]")
         if problems:
             raise ValueError(f"malformed DFlash checkpoint {path}: " + ", ".join(problems))
+        state: dict[str, torch.Tensor] = {}
+        for f in files:
+            with _safetensors(f) as st:
+                for key in st.keys():
+                    state[key] = st.get_tensor(key)
+                    if not bool(torch.isfinite(state[key]).all()):
+                        raise ValueError(f"malformed DFlash checkpoint: {f}: weight {key!r} has non-finite values")
         model = model.to_empty(device=device or "cpu")
         ours = {v: k for k, v in names.items()}
         model.load_state_dict({ours.get(k, k): v for k, v in state.items()}, strict=True)
@@ -457,6 +478,18 @@ def _with_target_facts(raw: dict, **facts: int | None) -> dict:
     return raw
 
 
+@contextlib.contextmanager
+def _safetensors(f: Path):
+    """``safe_open(f)``; a file it cannot read (truncated, not safetensors) is a ``ValueError`` naming ``f``."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(f), framework="pt") as st:
+            yield st
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"cannot read {f} (truncated or not a safetensors file?): {e}") from None
+
+
 def _full_attention_rope(tcfg) -> dict:
     rope = getattr(tcfg, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0}
     if "full_attention" in rope and isinstance(rope["full_attention"], dict):  # per-layer-type (Gemma3)
@@ -478,6 +511,14 @@ def _qwen3_config(raw: dict, dflash: DFlashConfig) -> Qwen3Config:
     for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
         if name not in fields:
             raise ValueError(f"config.json has no {name}")
+    for name in _POSITIVE_SIZES:
+        if fields.get(name) is not None and _integer(name, fields[name]) < 1:
+            raise ValueError(f"{name} must be a positive integer, got {fields[name]!r}")
+    for name, value in (("rms_norm_eps", fields.get("rms_norm_eps", 1e-6)),
+                        ("rope_theta", fields["rope_parameters"].get("rope_theta"))):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not math.isfinite(value) or value <= 0):
+            raise ValueError(f"{name} must be a positive finite number, got {value!r}")
     if fields.get("head_dim") is None:
         fields["head_dim"] = fields["hidden_size"] // fields["num_attention_heads"]
     if fields.get("num_key_value_heads") is None:

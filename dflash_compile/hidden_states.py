@@ -41,11 +41,14 @@ class AuxHiddenStates:
     """Forward hooks that record the hidden states named by ``layer_ids`` on every target forward.
 
     ``read()`` returns them concatenated on the feature dim, ``[B, T, len(layer_ids) * H]``, in the order
-    of ``layer_ids``, for the most recent forward. ``remove()`` detaches the hooks.
+    of ``layer_ids``, for the most recent forward, and forgets them. ``remove()`` detaches the hooks. While
+    ``enabled`` is False the hooks record nothing: an owner that switches them on around its own forwards only
+    keeps no hidden states of anyone else's (a plain ``model.generate``).
     """
 
-    def __init__(self, model: nn.Module, layer_ids):
+    def __init__(self, model: nn.Module, layer_ids, enabled: bool = True):
         self.layer_ids = tuple(layer_ids)
+        self.enabled = enabled
         layers = decoder_layers(model)
         n = len(layers)
         bad = [i for i in self.layer_ids if not 0 <= i < n]
@@ -62,7 +65,8 @@ class AuxHiddenStates:
 
     def _hook(self, i):
         def hook(module, args, out):
-            self._store[i] = _first(out)
+            if self.enabled:
+                self._store[i] = _first(out)
 
         return hook
 
@@ -73,10 +77,6 @@ class AuxHiddenStates:
         out = torch.cat([self._store[i] for i in self.layer_ids], dim=-1)
         self._store.clear()
         return out
-
-    def clear(self) -> None:
-        """Forget what the last forward recorded (a forward that is not a step, e.g. a probe)."""
-        self._store.clear()
 
     def remove(self) -> None:
         for h in self._handles:

@@ -29,6 +29,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch.utils._pytree import tree_leaves
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, LinearAttentionCacheLayerMixin
 
 TRASH_SLOT = -1
@@ -136,11 +137,12 @@ class PagedKVCache:
         draft_shape: tuple[int, int, int],
         dtype: torch.dtype,
         device: torch.device | str,
+        num_blocks: int | None = None,  # KV blocks in all; default: max_batch_size requests of max_seq_len tokens
     ):
         self.page_size = page_size
         self.max_seq_len = max_seq_len
         self.blocks_per_seq = math.ceil(max_seq_len / page_size)
-        self.num_blocks = max_batch_size * self.blocks_per_seq
+        self.num_blocks = num_blocks or max_batch_size * self.blocks_per_seq
         slots = self.num_blocks * page_size + 2  # + ZERO_SLOT, TRASH_SLOT
         self.target_layout = tuple(target_layout)
         self.target_pools = tuple(_layer_pool(lay, slots, max_batch_size + 2, device) for lay in self.target_layout)
@@ -155,6 +157,11 @@ class PagedKVCache:
     @property
     def device(self) -> torch.device:
         return self.draft_pool.device
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all the pools (build the cache on the ``meta`` device to know them before allocating)."""
+        return sum(t.nbytes for t in tree_leaves((self.target_pools, self.draft_pool)))
 
     def ensure(self, request: int, num_tokens: int) -> None:
         """Make ``request``'s blocks cover positions ``[0, min(num_tokens, max_seq_len))``."""
@@ -265,3 +272,18 @@ def paged_target_cache(target_pools, write: torch.Tensor, read: torch.Tensor, st
         else:
             layers.append(PagedTargetLayer(pool, flat, read))
     return Cache(layers=layers)
+
+
+def available_memory(device) -> int | None:
+    """Bytes that can still be allocated on ``device``: free memory on CUDA, ``MemAvailable`` on Linux CPUs;
+    None where unknown."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type == "cpu":
+        try:
+            with open("/proc/meminfo") as f:
+                return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+        except (OSError, StopIteration, ValueError):
+            pass
+    return None

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
+import numbers
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -21,8 +24,10 @@ from torch import nn
 from .draft_model import DFlashDraftModel
 from .generation import DFlashGenerateOutput, DFlashStats, GenerationArgs, resolve_generation_args
 from .hidden_states import AuxHiddenStates, decoder_layers
-from .kv_cache import PagedKVCache, context_visibility, paged_target_cache, probe_layout, read_slots, write_slots
-from .recurrent import StateAccess, step_by_token
+from .kv_cache import (
+    PagedKVCache, available_memory, context_visibility, paged_target_cache, probe_layout, read_slots, write_slots,
+)
+from .recurrent import StateAccess, step_by_token, unstep
 from .rejection import greedy_accept, process_logits, sample_from, speculative_accept
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16)
@@ -184,6 +189,12 @@ class DFlashSpecWrapper(nn.Module):
             capacity is always one). A step runs at the smallest that holds every live row's context and block,
             so attention costs what the live context needs, not the capacity. Default: 128, 256, 512, ... up to
             ``max_seq_len``. Each (batch bucket, context bucket) pair is one static step graph when compiled.
+        max_cache_bytes: the most the KV pools may take (default: the memory available on the target's device when
+            they are allocated). They are allocated at ``generate``, eager for what its requests can need (the
+            concurrent ones, ``min(max_batch_size, requests)``, each ``prompt + max_new_tokens + block_size``
+            tokens at most), growing for a later call that needs more; compiled at the capacity, ``max_batch_size``
+            requests of ``max_seq_len`` tokens, as the step graphs are static in the pools' shapes. Pools that do
+            not fit are a ``ValueError`` naming the bytes, before anything is allocated.
 
     ``generate`` follows HF ``generate``; greedy output is token-identical to ``target.generate``.
     """
@@ -199,6 +210,7 @@ class DFlashSpecWrapper(nn.Module):
         page_size: int = 16,
         batch_buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS,
         context_buckets: tuple[int, ...] | None = None,
+        max_cache_bytes: int | None = None,
     ):
         super().__init__()
         validate_pair(target, draft, num_speculative_tokens)
@@ -213,11 +225,17 @@ class DFlashSpecWrapper(nn.Module):
             raise ValueError(f"max_batch_size and page_size must be >= 1, got {max_batch_size}, {page_size}")
         self.target = target
         self.draft = draft.bind_target(target)
-        self.aux = AuxHiddenStates(target, draft.dflash_config.target_layer_ids)
+        self.aux = AuxHiddenStates(target, draft.dflash_config.target_layer_ids, enabled=False)
+        self._remove_hooks = weakref.finalize(self, self.aux.remove)  # at close(), or when the wrapper goes
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len or min(tcfg.max_position_embeddings, 2048)
         if self.max_seq_len < 2:
             raise ValueError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
+        if self.block_size > self.max_seq_len:  # a block must fit in a request's capacity
+            raise ValueError(
+                f"the drafter's block_size {self.block_size} is larger than max_seq_len={self.max_seq_len}, the "
+                f"tokens a request may hold: a block that long can never be verified"
+            )
         self.page_size = page_size
         self.batch_buckets = tuple(sorted({b for b in batch_buckets if 0 < b < max_batch_size} | {max_batch_size}))
         self.context_buckets = _context_pages(context_buckets, self.max_seq_len, page_size)
@@ -225,11 +243,28 @@ class DFlashSpecWrapper(nn.Module):
         self._mask_kinds, self._window = _target_layer_kinds(tcfg)
         self._logits_to_keep = "logits_to_keep" in inspect.signature(target.forward).parameters
         self._cache: PagedKVCache | None = None
-        self._stepping = False
+        self._unstep = None  # undoes the token stepping of recurrent mixers (installed with the pools)
+        self._layout = None  # ((device, dtype), what each target layer caches: kv_cache.probe_layout)
+        self.max_cache_bytes = max_cache_bytes
 
     @property
     def block_size(self) -> int:
         return self.draft.block_size
+
+    def close(self) -> None:
+        """Remove this wrapper's forward hooks (and token stepping) from the target and drop its KV pools (idempotent; also done when
+        the wrapper is garbage-collected). ``generate`` afterwards is an error. ``with DFlashSpecWrapper(...) as
+        spec:`` closes on exit."""
+        self._remove_hooks()
+        if self._unstep is not None:
+            self._unstep()
+        self._cache = None
+
+    def __enter__(self) -> "DFlashSpecWrapper":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def compile(self, *args, **kwargs):
         """``nn.Module.compile`` with ``dynamic=False`` by default: every (batch, context) bucket is its own
@@ -322,6 +357,7 @@ class DFlashSpecWrapper(nn.Module):
         mask = self._target_mask(positions, kv_lens, key_pos, None if stepped else write_ok)
         states = StateAccess(state_slots, active, stepped) if state_slots is not None else None
         extra = {"logits_to_keep": 1} if last_only and self._logits_to_keep else {}
+        self.aux.enabled = True  # the hooks record this forward only, and read() forgets it
         out = self.target(
             input_ids=ids,
             position_ids=positions,
@@ -330,6 +366,7 @@ class DFlashSpecWrapper(nn.Module):
             use_cache=True,
             **extra,
         )
+        self.aux.enabled = False
         return out.logits, self.aux.read(), states
 
     def _inject(self, aux, positions, valid, block_tables, draft_pool):
@@ -388,27 +425,46 @@ class DFlashSpecWrapper(nn.Module):
         return self._propose(bonus, lens, block_tables, active, draft_pool, sampling)
 
     # ------------------------------------------------------------------ host loop
-    def kv_cache(self) -> PagedKVCache:
-        """The paged pools, (re)allocated on the target's device and dtype when needed."""
+    def kv_cache(self, num_blocks: int | None = None) -> PagedKVCache:
+        """The paged pools with at least ``num_blocks`` KV blocks (default: the capacity, ``max_batch_size`` requests
+        of ``max_seq_len`` tokens), (re)allocated on the target's device and dtype when needed."""
         p = next(self.target.parameters())
+        num_blocks = num_blocks or self.max_batch_size * -(-self.max_seq_len // self.page_size)
         c = self._cache
-        if c is None or c.device != p.device or c.draft_pool.dtype != p.dtype:
-            layout = probe_layout(self.target)  # what each target layer caches, read from HF's own cache
-            self.aux.clear()
-            if not self._stepping:  # recurrent mixers run token by token in verify (recurrent.py)
+        if c is None or c.device != p.device or c.draft_pool.dtype != p.dtype or c.num_blocks < num_blocks:
+            self._cache = None  # the old pools go first: the new ones are checked against the memory left
+            if self._layout is None or self._layout[0] != (p.device, p.dtype):  # what each target layer caches
+                self._layout = ((p.device, p.dtype), probe_layout(self.target))
+            layout = self._layout[1]
+            if self._unstep is None:  # recurrent mixers run token by token in verify (recurrent.py)
                 step_by_token(self.target, layout)
-                self._stepping = True
+                self._unstep = weakref.finalize(self, unstep, self.target)  # at close(), or when the wrapper goes
             dcfg = self.draft.config
-            self._cache = PagedKVCache(
+            pools = functools.partial(
+                PagedKVCache,
                 max_batch_size=self.max_batch_size,
                 max_seq_len=self.max_seq_len,
                 page_size=self.page_size,
                 target_layout=layout,
                 draft_shape=(dcfg.num_hidden_layers, dcfg.num_key_value_heads, dcfg.head_dim),
                 dtype=p.dtype,
-                device=p.device,
+                num_blocks=num_blocks,
             )
+            need = pools(device="meta").nbytes  # sized on the meta device: nothing allocated yet
+            allowed = self.max_cache_bytes if self.max_cache_bytes is not None else available_memory(p.device)
+            if allowed is not None and need > allowed:
+                raise ValueError(
+                    f"the KV pools need {need} bytes ({num_blocks} blocks of {self.page_size} tokens), more than "
+                    + (f"max_cache_bytes={allowed}" if self.max_cache_bytes is not None
+                       else f"the {allowed} bytes available on {p.device}")
+                    + ": fewer or shorter concurrent requests (max_batch_size, max_seq_len, max_new_tokens) need less"
+                )
+            self._cache = pools(device=p.device)
         return self._cache
+
+    def kv_cache_bytes(self) -> int:
+        """Bytes the KV pools hold now (0 before the first ``generate``)."""
+        return self._cache.nbytes if self._cache is not None else 0
 
     def _context_bucket(self, num_tokens: int) -> int:
         """Pages of the smallest context bucket that holds ``num_tokens`` positions (capped at capacity)."""
@@ -443,6 +499,8 @@ class DFlashSpecWrapper(nn.Module):
         batch, or one per request) or ``generator`` (one ``torch.Generator``, or one per request) seeds each
         request's own RNG; with neither, the seeds come from torch's global RNG (``torch.manual_seed``).
         """
+        if not self._remove_hooks.alive:
+            raise RuntimeError("this DFlashSpecWrapper is closed (its hooks on the target are removed): make a new one")
         device = next(self.target.parameters()).device
         pad_for_inference = pad_token_id
         if pad_for_inference is None:
@@ -515,10 +573,12 @@ class DFlashSpecWrapper(nn.Module):
         )
 
     def _run(self, requests: list[_Request], args: GenerationArgs, device) -> None:
-        cache = self.kv_cache()
-        batch = _Batch(self.max_batch_size, self.block_size, cache.blocks_per_seq, device)
-        waiting = deque(requests)
         compiled = self._compiled_call_impl is not None
+        rows = min(self.max_batch_size, len(requests))  # at once; each needs at most prompt + new tokens + a block
+        longest = min(self.max_seq_len, max(len(r.prompt) for r in requests) + args.max_new_tokens + self.block_size)
+        cache = self.kv_cache(None if compiled else rows * -(-longest // self.page_size))
+        batch = _Batch(next(b for b in self.batch_buckets if b >= rows), self.block_size, cache.blocks_per_seq, device)
+        waiting = deque(requests)
         # Each (batch bucket, context bucket, sampled) key is one static graph, and every wrapper shares forward's
         # code object, hence one dynamo cache: lift the per-code-object limit to dynamo's overall one.
         cfg = torch._dynamo.config
@@ -645,7 +705,7 @@ class DFlashSpecWrapper(nn.Module):
             args.streamer.put(torch.tensor([token]))
         if token in args.eos_token_ids:
             r.finish_reason = "stop"
-        elif args.stop_strings and _has_stop_string(args.tokenizer.decode(r.new), args.stop_strings):
+        elif args.stop_strings and _ends_with_stop_string(args.tokenizer, r.new, args.stop_strings):
             r.finish_reason = "stop"
         elif len(r.new) >= args.max_new_tokens or len(r.prompt) + len(r.new) >= self.max_seq_len:
             r.finish_reason = "length"
@@ -658,10 +718,15 @@ class DFlashSpecWrapper(nn.Module):
                 raise ValueError("attention_mask goes with a tensor input_ids, not with a list of prompts")
             if not input_ids:
                 raise ValueError("no prompts given")
-            if isinstance(input_ids[0], int):
+            if isinstance(input_ids[0], numbers.Number):
                 input_ids = [input_ids]
+            bad = [t for p in input_ids for t in p if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
+            if bad:
+                raise TypeError(f"input_ids must hold integer token ids, got {bad[0]!r}")
             return [list(map(int, p)) for p in input_ids], None
         ids = torch.as_tensor(input_ids)
+        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+            raise TypeError(f"input_ids must hold integer token ids, got a {ids.dtype} tensor")
         if ids.dim() == 1:
             ids = ids[None]
         if ids.dim() != 2 or ids.shape[0] == 0:
@@ -682,8 +747,20 @@ class DFlashSpecWrapper(nn.Module):
         return [ids_cpu[i][mask[i]].tolist() for i in range(ids.shape[0])], ids
 
 
-def _has_stop_string(text: str, stop_strings: tuple[str, ...]) -> bool:
-    return any(s in text for s in stop_strings)
+def _ends_with_stop_string(tokenizer, tokens: list[int], stop_strings: tuple[str, ...]) -> bool:
+    """Whether the text of ``tokens`` has a stop string that its last token completes.
+
+    Every earlier token was checked when it came, so only a tail window is decoded (never the whole generation):
+    enough tokens that the text before the last token's own has the longest stop string's length plus 3 characters
+    (slack for a UTF-8 character split at the window's edge), doubling the window while tokens decode to less."""
+    longest = max(map(len, stop_strings))
+    last = len(tokenizer.decode(tokens[-1:]))
+    n = longest
+    while True:
+        text = tokenizer.decode(tokens[-n:])
+        if n >= len(tokens) or len(text) - last >= longest + 3:
+            return any(s in text for s in stop_strings)
+        n *= 2
 
 
 def check_tokenizer(tokenizer, target: nn.Module) -> None:

@@ -11,9 +11,20 @@ the latest) and the drafter to ``OUT`` in the published format (``DFlashDraftMod
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 
 import torch
+
+
+def out_overwrites_target(out, target) -> bool:
+    """Whether writing the drafter to ``out`` could overwrite the target: the same directory (however spelled:
+    ``..``, symlinks, another mount of it) or one inside it."""
+    if not Path(target).exists():
+        return False  # a hub id, not a local directory
+    out_path = Path(out).resolve()
+    return any(p.exists() and os.path.samefile(p, target) for p in (out_path, *out_path.parents))
 
 
 def main(argv=None) -> int:
@@ -45,6 +56,9 @@ def main(argv=None) -> int:
     p.add_argument("--save-dtype", default="float16", choices=["float16", "bfloat16", "float32"])
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    if out_overwrites_target(args.out, args.target):
+        p.error(f"--out {args.out} is (or is inside) the target directory {args.target}: the drafter's config.json "
+                f"and weights would overwrite the target's; choose another --out")
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -221,18 +221,22 @@ def test_hybrid_sampling_keeps_the_targets_law(one_thread):  # noqa: F811
     assert _chi_square_p(counts, law * n) > 1e-3
 
 
-def test_token_stepping_is_counted_per_wrapper():
+def test_token_stepping_is_owned_by_each_wrapper():
     target = tiny_target(HYBRID)
     mixer = target.model.layers[0].linear_attn
     specs = [_spec(target, "random", DFlashSpecWrapper) for _ in range(2)]
     for spec in specs:
         spec.kv_cache()
-        spec.kv_cache()  # a second call (or a reallocation) does not count twice
+        spec.kv_cache(num_blocks=10 ** 3)  # reallocating the pools does not step twice
     assert "forward" in vars(mixer)
-    unstep(target)
+    specs[0].close()
     assert "forward" in vars(mixer)  # the other wrapper still needs it
-    unstep(target)
+    prompt = _prompts([9])[0]
+    assert specs[1].generate([prompt], max_new_tokens=NEW)[0, 9:].tolist() == _reference(target, prompt)
+    specs[1].close()
     assert "forward" not in vars(mixer) and "forward" not in vars(target.model.layers[2].linear_attn)
+    unstep(target)  # more releases than users change nothing
+    assert "forward" not in vars(mixer)
 
 
 def test_qwen3_5_checkpoint_class_with_text_prompts():

@@ -2,8 +2,9 @@
 
 The drafter learns the target's own outputs, so each example is ``prompt + target continuation`` (greedy by
 default). Prompts are random ``prompt_len``-token windows of corpus files. The cache file name is a hash of
-the target (config + weights fingerprint), the corpus (file names and sizes) and every setting, so changing
-any of them regenerates the data and nothing stale is reused.
+the target (config + every byte of its weights), the corpus (file names and contents) and every setting, so
+changing any of them regenerates the data and nothing stale is reused. Sampled continuations are seeded from the
+settings, and the caller's global RNG state is left as it was.
 """
 
 from __future__ import annotations
@@ -109,12 +110,14 @@ def generate_continuations(target, prompts: torch.Tensor, cfg: DataConfig, eos_t
                   mininterval=5):
         x = prompts[i : i + cfg.gen_batch].to(next(target.parameters()).device)
         kw = dict(do_sample=True, temperature=cfg.temperature, top_k=0, top_p=1.0) if cfg.do_sample else dict(do_sample=False)
-        if cfg.do_sample:
-            torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=g)))
-        out = target.generate(
-            x, attention_mask=torch.ones_like(x), max_new_tokens=cfg.gen_len, min_new_tokens=0,
-            eos_token_id=list(eos_set) or None, pad_token_id=pad, **kw,
-        ).cpu()
+        # HF samples from torch's global RNG: seed it from cfg.seed for this batch and give the caller's state back.
+        with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []):
+            if cfg.do_sample:
+                torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=g)))
+            out = target.generate(
+                x, attention_mask=torch.ones_like(x), max_new_tokens=cfg.gen_len, min_new_tokens=0,
+                eos_token_id=list(eos_set) or None, pad_token_id=pad, **kw,
+            ).cpu()
         full = torch.full((out.shape[0], P + cfg.gen_len), pad, dtype=torch.long)
         full[:, : out.shape[1]] = out
         for row in full:
@@ -125,21 +128,21 @@ def generate_continuations(target, prompts: torch.Tensor, cfg: DataConfig, eos_t
     return DraftDataset(torch.cat(rows), torch.tensor(lengths), P)
 
 
+def _hash_file(h, f: Path, name: str) -> None:
+    """Fold ``name``, ``f``'s size and its whole content into the hash ``h``."""
+    with f.open("rb") as fh:
+        h.update(f"{name}:{f.stat().st_size}:{hashlib.file_digest(fh, 'sha256').hexdigest()}".encode())
+
+
 def fingerprint_dir(path) -> str:
-    """A cheap fingerprint of a saved HF model directory: config.json and, per weight file, its size and the
-    hash of its first and last MiB."""
+    """A fingerprint of a saved HF model directory: its config.json and every byte of its weight files."""
     path = Path(path)
     h = hashlib.sha256()
     cfg = path / "config.json"
     if cfg.is_file():
         h.update(cfg.read_bytes())
     for f in sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin")):
-        size = f.stat().st_size
-        h.update(f"{f.name}:{size}".encode())
-        with f.open("rb") as fh:
-            h.update(fh.read(1 << 20))
-            fh.seek(max(0, size - (1 << 20)))
-            h.update(fh.read())
+        _hash_file(h, f, f.name)
     return h.hexdigest()
 
 
@@ -147,7 +150,7 @@ def cache_key(target_fingerprint: str, files: list[Path], cfg: DataConfig) -> st
     h = hashlib.sha256()
     h.update(target_fingerprint.encode())
     for f in files:
-        h.update(f"{f}:{f.stat().st_size}".encode())
+        _hash_file(h, f, str(f))
     h.update(json.dumps(asdict(cfg), sort_keys=True).encode())
     return h.hexdigest()[:16]
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 import json
 import math
+import pickle
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -59,6 +60,19 @@ class TrainConfig:
 def latest_checkpoint(out_dir) -> Path | None:
     ckpts = sorted(Path(out_dir, _CKPT_DIR).glob("step_*.pt"), key=lambda p: int(p.stem.split("_")[1]))
     return ckpts[-1] if ckpts else None
+
+
+def load_checkpoint(path) -> dict:
+    """A training checkpoint, read with ``torch.load(weights_only=True)``: tensors, numbers, strings and containers
+    only. A file that would need anything else (a pickle that runs code) is refused with a ``ValueError``."""
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as e:
+        lines = [x for x in str(e).splitlines() if "GLOBAL" in x or "global" in x]
+        raise ValueError(
+            f"refusing to load {path}: it holds more than tensors, numbers, strings and containers, so it is not a "
+            f"checkpoint this trainer wrote ({(lines or [type(e).__name__])[0].strip()})"
+        ) from None
 
 
 def _save_checkpoint(out_dir, step, draft, opt, gen, cfg, history) -> Path:
@@ -119,7 +133,7 @@ def train_drafter(
     if resume:
         ckpt = latest_checkpoint(out_dir)
         if ckpt is not None:
-            state = torch.load(ckpt, weights_only=False)
+            state = load_checkpoint(ckpt)
             draft.load_state_dict(state["draft"])
             opt.load_state_dict(state["optimizer"])
             gen.set_state(state["generator"])
