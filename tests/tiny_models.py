@@ -48,3 +48,9 @@ def tiny_target(family: str, seed: int = 0, dtype=torch.float32, **overrides):
     model.generation_config.pad_token_id = None
     model.generation_config.bos_token_id = None
     return model.to(dtype).eval()
+
+
+def small_target(family: str, **overrides):
+    """A two-layer ``tiny_target`` (Gemma3 keeps one sliding and one full layer)."""
+    extra = {"layer_types": ["sliding_attention", "full_attention"]} if family == "gemma3" else {}
+    return tiny_target(family, num_hidden_layers=2, **extra, **overrides)
