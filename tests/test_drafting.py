@@ -7,20 +7,15 @@ import torch
 from dflash_compile import DFlashDraftModel, DFlashSpecWrapper
 from dflash_compile.hidden_states import AuxHiddenStates
 from oracle_draft import check_drafting, greedy_continuations, oracle_pair
-from tiny_models import FAMILIES, VOCAB, small_target, tiny_target
+from tiny_models import FAMILIES, VOCAB, random_prompts, small_target, tiny_target
 
 PAD = VOCAB - 2
-
-
-def _prompts(lengths, seed):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB - 2, (n,), generator=g).tolist() for n in lengths]
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_partly_right_drafter_is_accepted_as_far_as_it_is_right(family):
     target = small_target(family)
-    prompts = _prompts([5, 13, 2, 9], 1)
+    prompts = random_prompts([5, 13, 2, 9], 1)
     draft, fulls = oracle_pair(target, prompts, 16, 64, num_layers=2, block_size=4, target_layer_ids=[0, 1], seed=0)
     spec = DFlashSpecWrapper(target, draft, max_batch_size=4, max_seq_len=64, page_size=8)
     out = spec.generate(prompts, max_new_tokens=16, pad_token_id=PAD, return_dict_in_generate=True,
@@ -68,7 +63,7 @@ def test_wrapper_drafts_are_the_drafter_on_the_whole_context(family):
                                          layer_types=["full_attention", "sliding_attention"], sliding_window=6)
     for w in draft.parameters():
         w.mul_(10 if w.dim() == 2 else 1)
-    prompts = _prompts([7, 12, 3], 5)
+    prompts = random_prompts([7, 12, 3], 5)
     spec = DFlashSpecWrapper(target, draft, max_batch_size=3, max_seq_len=64, page_size=8)
     out = spec.generate(prompts, max_new_tokens=12, pad_token_id=PAD, return_dict_in_generate=True,
                         output_drafts=True)

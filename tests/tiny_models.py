@@ -54,3 +54,9 @@ def small_target(family: str, **overrides):
     """A two-layer ``tiny_target`` (Gemma3 keeps one sliding and one full layer)."""
     extra = {"layer_types": ["sliding_attention", "full_attention"]} if family == "gemma3" else {}
     return tiny_target(family, num_hidden_layers=2, **extra, **overrides)
+
+
+def random_prompts(lengths, seed: int) -> list[list[int]]:
+    """Prompts of the given lengths, token ids in ``[0, VOCAB - 2)`` (the last two ids stay free for pad / mask)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB - 2, (n,), generator=g).tolist() for n in lengths]
