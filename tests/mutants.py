@@ -167,13 +167,12 @@ def main(argv=None) -> int:
         print(f"no mutation matches {args.k}")
         return 2
     files = _repo_files()
-    # Every pattern must still match the current source before anything runs.
-    for m in chosen:
-        text = (ROOT / m.path).read_text()
-        bad = [old for old, _ in m.edits if text.count(old) != 1]
-        if bad:
-            print(f"mutation {m.name}: pattern(s) {bad} do not match exactly once in {m.path}; update it")
-            return 2
+    # Every pattern must still match the current source exactly once before anything runs.
+    stale = [(m, old) for m in chosen for old, _ in m.edits if (ROOT / m.path).read_text().count(old) != 1]
+    for m, old in stale:
+        print(f"mutation {m.name}: pattern {old!r} does not match exactly once in {m.path}; update the mutation")
+    if stale:
+        return 2
     start = time.monotonic()
     if args.baseline:
         tree = WORK / "baseline"
