@@ -62,7 +62,8 @@ def test_wrapper_drafts_are_the_drafter_on_the_whole_context(family):
     draft = DFlashDraftModel.from_target(target, num_layers=2, block_size=4, target_layer_ids=[0, 1], seed=0,
                                          layer_types=["full_attention", "sliding_attention"], sliding_window=6)
     for w in draft.parameters():
-        w.mul_(10 if w.dim() == 2 else 1)
+        if w.dim() == 2:
+            w.mul_(10)
     prompts = random_prompts([7, 12, 3], 5)
     spec = DFlashSpecWrapper(target, draft, max_batch_size=3, max_seq_len=64, page_size=8)
     out = spec.generate(prompts, max_new_tokens=12, pad_token_id=PAD, return_dict_in_generate=True,
