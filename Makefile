@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test bench clean
+.PHONY: demo test mutants bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -15,6 +15,10 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
+
+# Hand-made drafting bugs, each applied to a copy of the repository: fails unless the suite catches every one.
+mutants: $(VENV)/.installed
+	$(PY) tests/mutants.py
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/bench_humaneval.py

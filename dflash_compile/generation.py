@@ -49,6 +49,9 @@ class DFlashGenerateOutput:
     ``sequences [B, L + new]`` (prompt included, finished rows padded with ``pad_token_id``); the counters
     are whole-batch totals, ``per_request`` has the same counters for each row, ``finish_reasons`` is
     ``"stop"`` (an eos token or a stop string) or ``"length"`` (``max_new_tokens`` or capacity) per row.
+    ``drafts`` (only with ``generate(..., output_drafts=True)``, else None): per row, the ``block_size - 1``
+    drafts the target verified at each step, in order; with ``sequences`` they determine every step's
+    acceptance, so drafting can be checked, not only the (lossless) output.
     """
 
     sequences: torch.Tensor
@@ -61,9 +64,11 @@ class DFlashGenerateOutput:
     finish_reasons: list[str]
     num_new_tokens: list[int] = field(default_factory=list)  # generated tokens per row (before end padding)
     prompt_width: int = 0  # sequences[:, :prompt_width] is the (left-padded) prompt
+    drafts: list[list[list[int]]] | None = None
 
     @classmethod
-    def build(cls, sequences, per_request, finish_reasons, num_speculative_tokens, num_new_tokens=(), prompt_width=0):
+    def build(cls, sequences, per_request, finish_reasons, num_speculative_tokens, num_new_tokens=(), prompt_width=0,
+              drafts=None):
         total = DFlashStats.total(per_request, num_speculative_tokens)
         return cls(
             sequences=sequences,
@@ -76,6 +81,7 @@ class DFlashGenerateOutput:
             finish_reasons=finish_reasons,
             num_new_tokens=list(num_new_tokens),
             prompt_width=prompt_width,
+            drafts=drafts,
         )
 
 
@@ -91,6 +97,7 @@ class GenerationArgs:
     stop_strings: tuple[str, ...] = ()
     tokenizer: Any = field(default=None, compare=False)  # decodes for stop_strings
     streamer: Any = field(default=None, compare=False)  # HF streamer: put(LongTensor), end()
+    output_drafts: bool = False  # record each step's verified drafts (one more host read per step)
 
 
 _KNOWN_KWARGS = {

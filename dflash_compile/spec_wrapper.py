@@ -132,6 +132,7 @@ class _Request:
     seq_len: int = 0  # tokens in the target cache = position of the pending block's first token
     pages: int = 0  # KV blocks allocated to it (the first ``pages`` entries of its block-table row)
     generator: torch.Generator | None = None  # the request's own RNG (sampling)
+    drafts: list[list[int]] = field(default_factory=list)  # each step's verified drafts (``output_drafts``)
 
 
 class _Batch:
@@ -485,6 +486,7 @@ class DFlashSpecWrapper(nn.Module):
         tokenizer=None,
         seed: int | list[int] | None = None,
         generator: torch.Generator | list[torch.Generator] | None = None,
+        output_drafts: bool = False,
         **kwargs,
     ):
         """Generate like HF ``generate``.
@@ -498,6 +500,8 @@ class DFlashSpecWrapper(nn.Module):
         Sampling is lossless (speculative sampling) and reproducible per request: ``seed`` (an int for the whole
         batch, or one per request) or ``generator`` (one ``torch.Generator``, or one per request) seeds each
         request's own RNG; with neither, the seeds come from torch's global RNG (``torch.manual_seed``).
+        ``output_drafts=True`` (with ``return_dict_in_generate``) records the drafts each step verified in the
+        output's ``drafts``.
         """
         if not self._remove_hooks.alive:
             raise RuntimeError("this DFlashSpecWrapper is closed (its hooks on the target are removed): make a new one")
@@ -529,6 +533,8 @@ class DFlashSpecWrapper(nn.Module):
             raise ValueError("stop_strings needs the tokenizer: generate(..., stop_strings=..., tokenizer=tok)")
         if streamer is not None and len(prompts) > 1:
             raise ValueError(f"a streamer supports batch size 1 only (as in HF), got {len(prompts)} prompts")
+        if output_drafts and not return_dict_in_generate:
+            raise ValueError("output_drafts=True needs return_dict_in_generate=True")
         generators = _request_generators(len(prompts), seed, generator) if args.do_sample else [None] * len(prompts)
         if prefix is None:
             prefix = _left_pad(prompts, args.pad_token_id)
@@ -536,7 +542,8 @@ class DFlashSpecWrapper(nn.Module):
         requests = [_Request(i, p, generator=g) for i, (p, g) in enumerate(zip(prompts, generators))]
         if streamer is not None:
             streamer.put(prefix.cpu())  # HF pushes the prompt first (TextStreamer(skip_prompt=True) drops it)
-        self._run(requests, dataclasses.replace(args, tokenizer=tokenizer, streamer=streamer), device)
+        args = dataclasses.replace(args, tokenizer=tokenizer, streamer=streamer, output_drafts=output_drafts)
+        self._run(requests, args, device)
         if streamer is not None:
             streamer.end()
 
@@ -548,7 +555,7 @@ class DFlashSpecWrapper(nn.Module):
             return sequences
         return DFlashGenerateOutput.build(
             sequences, [r.stats for r in requests], [r.finish_reason for r in requests], self.block_size - 1,
-            [len(r.new) for r in requests], prefix.shape[1],
+            [len(r.new) for r in requests], prefix.shape[1], [r.drafts for r in requests] if output_drafts else None,
         )
 
     def _uniforms(self, rows: list[_Request], num_rows: int, prefill: bool) -> torch.Tensor:
@@ -608,6 +615,7 @@ class DFlashSpecWrapper(nn.Module):
         with torch.compiler.set_stance(skip_guard_eval_unsafe=True) if warm else contextlib.nullcontext():
             tokens, num_accepted, next_block, next_probs = self(*step_inputs, *sampling, **states)
         batch.warm.add(key)
+        verified = batch.block[:bucket, 1:].tolist() if args.output_drafts else None  # before it is overwritten
         batch.block[:bucket] = next_block
         batch.seq_lens[:bucket] += num_accepted + batch.active[:bucket]
         if next_probs is not None:
@@ -617,6 +625,8 @@ class DFlashSpecWrapper(nn.Module):
             r, row = rows[i], tokens[i]
             a = row.index(-1) - 1 if -1 in row else B - 1
             r.stats.record(B - 1, a)
+            if verified is not None:
+                r.drafts.append(verified[i])
             r.seq_len += a + 1
             for t in row[: a + 1]:
                 if self._emit(r, t, args):

@@ -1,49 +1,64 @@
-"""Compiled greedy generation with the dflash backends equals eager, with all passes fired and one graph per bucket."""
+"""Compiled generation with the dflash backends equals eager — the output, and the drafting: the same drafts
+verified at every step, the same acceptance per position, the same τ — with all passes fired and one graph per
+bucket. The drafter is partly right by construction (``oracle_draft``), so acceptance is partial and exercised at
+every position, and the drafts it does not force are the compiled drafter's own, which see its injected context."""
 
 import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from dflash_compile import DFlashDraftModel, DFlashSpecWrapper
+from dflash_compile import DFlashSpecWrapper
 from dflash_compile.passes import PASS_NAMES
-from tiny_models import FAMILIES, VOCAB, tiny_target
+from oracle_draft import check_drafting, oracle_pair
+from tiny_models import FAMILIES, VOCAB, random_prompts, small_target
 
 PAD = VOCAB - 2
 MAX_NEW = 10
-BATCHES = {1: [7], 3: [2, 23, 11], 8: [5, 31, 2, 14, 9, 26, 3, 18]}
+MAX_SEQ = 64
+RUNS = {1: ([7], 1), 3: ([2, 23, 11], 3), 8: ([5, 31, 2, 14, 9, 26, 3, 18], 8), "again": ([2, 23, 11], 99)}
 
 
-def _prompts(lengths, seed):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB - 2, (n,), generator=g).tolist() for n in lengths]
+def _run(spec, prompts):
+    return spec.generate(prompts, max_new_tokens=MAX_NEW, pad_token_id=PAD, return_dict_in_generate=True,
+                         output_drafts=True)
 
 
-def _small_target(family):
-    extra = {"layer_types": ["sliding_attention", "full_attention"]} if family == "gemma3" else {}
-    return tiny_target(family, num_hidden_layers=2, **extra)
+def _drafting(out):
+    """Everything a run says about drafting."""
+    return (out.drafts, [(s.num_drafts, s.num_accepted_tokens, s.num_accepted_tokens_per_pos) for s in out.per_request],
+            out.num_accepted_tokens_per_pos, out.acceptance_length)
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def family_pair(request):
-    target = _small_target(request.param)
-    draft = DFlashDraftModel.from_target(target, num_layers=2, block_size=4, target_layer_ids=[0, 1], seed=0)
-    kw = dict(max_batch_size=8, batch_buckets=(1, 8), max_seq_len=64, page_size=8)
+    target = small_target(request.param)
+    prompts = {k: random_prompts(*v) for k, v in RUNS.items()}
+    draft, fulls = oracle_pair(target, [p for ps in prompts.values() for p in ps], MAX_NEW, MAX_SEQ,
+                               num_layers=2, block_size=4, target_layer_ids=[0, 1], seed=0)
+    kw = dict(max_batch_size=8, batch_buckets=(1, 8), max_seq_len=MAX_SEQ, page_size=8)
     eager = DFlashSpecWrapper(target, draft, **kw)
-    expected = {b: eager.generate(_prompts(L, b), max_new_tokens=MAX_NEW, pad_token_id=PAD) for b, L in BATCHES.items()}
-    expected["again"] = eager.generate(_prompts(BATCHES[3], 99), max_new_tokens=MAX_NEW, pad_token_id=PAD)
-    return request.param, target, draft, kw, expected
+    expected = {k: _run(eager, p) for k, p in prompts.items()}
+    accepted = forced = 0
+    fulls = iter(fulls)
+    for k, p in prompts.items():  # eager drafting is what the oracle says it is
+        a, f = check_drafting(draft, p, [next(fulls) for _ in p], expected[k])
+        accepted, forced = accepted + a, forced + f
+    drafted = sum(o.num_draft_tokens for o in expected.values())
+    assert 0 < forced <= accepted < drafted, (forced, accepted, drafted)
+    return request.param, target, draft, kw, prompts, expected
 
 
 @pytest.mark.parametrize("backend", ["dflash", "dflash_neuron"])
 def test_compiled_equals_eager(family_pair, backend):
-    family, target, draft, kw, expected = family_pair
+    family, target, draft, kw, prompts, expected = family_pair
     torch._dynamo.reset()
     counters.clear()
     spec = DFlashSpecWrapper(target, draft, **kw)
     spec.compile(backend=backend, fullgraph=True)
-    for batch, lengths in BATCHES.items():
-        out = spec.generate(_prompts(lengths, batch), max_new_tokens=MAX_NEW, pad_token_id=PAD)
-        assert torch.equal(out, expected[batch]), (family, backend, batch)
+    for batch in (1, 3, 8):
+        out = _run(spec, prompts[batch])
+        assert torch.equal(out.sequences, expected[batch].sequences), (family, backend, batch)
+        assert _drafting(out) == _drafting(expected[batch]), (family, backend, batch)
     assert counters["stats"]["unique_graphs"] == 2  # buckets 1 and 8: one graph each
     assert not counters["graph_break"]
     # Every pass fired in each of the two step graphs: the drafter's projection once, a scatter and an attention
@@ -54,6 +69,7 @@ def test_compiled_equals_eager(family_pair, backend):
     }
     assert set(counters["dflash"]) == set(PASS_NAMES)
     with torch.compiler.set_stance("fail_on_recompile"):  # warm: new prompts, same buckets, no recompile
-        again = spec.generate(_prompts(BATCHES[3], 99), max_new_tokens=MAX_NEW, pad_token_id=PAD)
-    assert torch.equal(again, expected["again"])
+        again = _run(spec, prompts["again"])
+    assert torch.equal(again.sequences, expected["again"].sequences)
+    assert _drafting(again) == _drafting(expected["again"])
     assert counters["stats"]["unique_graphs"] == 2

@@ -9,11 +9,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from dflash_compile import DFlashDraftModel, DFlashSpecWrapper
 from dflash_compile.assets import default_pair_paths
 
-PROMPTS = [
-    "def fibonacci(n):\n",
-    "import os\nimport sys\n\n\ndef main():\n",
-    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
-]
+# prompt -> floor on its acceptance length τ over MAX_NEW greedy tokens: a little below what was measured (3.32, 5.58,
+# 4.47; fp32, CPU), so that a drafting bug that only costs speed (a position off by one, a context row lost) fails.
+TAU_FLOORS = {
+    "def fibonacci(n):\n": 3.1,
+    "import os\nimport sys\n\n\ndef main():\n": 5.3,
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n": 4.2,
+}
 MAX_NEW = 64
 
 
@@ -33,15 +35,15 @@ def test_default_pair_loads_fp32(pair):
     assert sum(p.numel() for p in target.parameters()) < 50e6
 
 
-def test_default_pair_accepts_more_than_two_tokens_per_step(pair):
+def test_default_pair_speculates_as_well_as_measured(pair):
     tok, target, draft = pair
     spec = DFlashSpecWrapper(target, draft, max_batch_size=1)
-    taus = []
-    for text in PROMPTS:
+    taus = {}
+    for text in TAU_FLOORS:
         ids = torch.tensor([tok(text)["input_ids"]])
         out = spec.generate(ids, max_new_tokens=MAX_NEW, return_dict_in_generate=True)
         ref = target.generate(ids, do_sample=False, max_new_tokens=MAX_NEW)
         n = min(out.sequences.shape[1], ref.shape[1])
         assert torch.equal(out.sequences[:, :n], ref[:, :n]), text
-        taus.append(out.acceptance_length)
-    assert min(taus) > 2.0, taus
+        taus[text] = out.acceptance_length
+    assert all(taus[t] >= floor for t, floor in TAU_FLOORS.items()), taus

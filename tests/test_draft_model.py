@@ -26,16 +26,17 @@ def _rope(x, pos, theta):
     return x * cos + rot * sin
 
 
-def reference_draft_logits(target, draft, prompt, block_ids, block_pos):
-    """DESIGN §1 written out from the weights alone, batch 1, fp64."""
+def reference_draft_logits(target, draft, prompt, block_ids, block_pos, ctx_len):
+    """DESIGN §1 written out from the weights alone, batch 1, fp64: the block sees the first ``ctx_len`` context
+    rows of ``prompt`` and itself; a sliding layer hides every key ``window`` or more positions behind the query."""
     sd = {k: v.to(torch.float64) for k, v in draft.state_dict().items()}
     cfg, dcfg = draft.config, draft.dflash_config
     eps, D, Hq, Hkv = cfg.rms_norm_eps, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
     theta = cfg.rope_parameters["rope_theta"]
     hs = target(prompt, output_hidden_states=True).hidden_states
     feats = torch.cat([hs[i + 1][0] for i in dcfg.target_layer_ids], -1)  # [S, n*H]
-    ctx = _rms(feats @ sd["fc.weight"].T, sd["hidden_norm.weight"], eps)
-    ctx_pos = torch.arange(prompt.shape[1])
+    ctx = _rms(feats @ sd["fc.weight"].T, sd["hidden_norm.weight"], eps)[:ctx_len]
+    ctx_pos = torch.arange(ctx_len)
     embed = target.get_input_embeddings()
     h = embed(block_ids)[0].to(torch.float64)  # borrowed embedding (includes any family scaling)
     Q = h.shape[0]
@@ -53,10 +54,14 @@ def reference_draft_logits(target, draft, prompt, block_ids, block_pos):
                    ctx_pos, theta)
         vc = (ctx @ W("self_attn.v_proj.weight").T).view(S, Hkv, D)
         K, V = torch.cat([kc, kb]), torch.cat([vc, vb])
+        key_pos = torch.cat([ctx_pos, block_pos])
+        window = dcfg.sliding_window if dcfg.layer_types[l] == "sliding_attention" else None
+        # non-causal: every block row sees all kept context and the whole block, unless the window hides it
+        hidden = block_pos[:, None] - key_pos[None, :] >= window if window else torch.zeros(Q, len(key_pos), dtype=bool)
         heads = []
         for hq in range(Hq):
             g = hq // (Hq // Hkv)
-            scores = q[:, hq] @ K[:, g].T / math.sqrt(D)  # no mask: every block row sees everything
+            scores = (q[:, hq] @ K[:, g].T / math.sqrt(D)).masked_fill(hidden, -math.inf)
             heads.append(torch.softmax(scores, -1) @ V[:, g])
         h = h + torch.cat(heads, -1) @ W("self_attn.o_proj.weight").T
         x = _rms(h, W("post_attention_layernorm.weight"), eps)
@@ -69,24 +74,31 @@ def reference_draft_logits(target, draft, prompt, block_ids, block_pos):
 @pytest.mark.parametrize("family,num_kv", [("qwen3", 2), ("llama", 4), ("gemma3", 1)])
 @torch.no_grad()
 def test_draft_forward_matches_fp64_transcription(family, num_kv):
+    # Two rows in one batch: one sees 7 of the 11 context rows it is handed (the rest hold real values that must stay
+    # hidden), one sees all 11; the second drafter layer slides with a window shorter than the block.
     target = tiny_target(family, dtype=torch.float64, num_key_value_heads=num_kv)
-    draft = DFlashDraftModel.from_target(target, num_layers=2, block_size=5, target_layer_ids=[0, 3], seed=1)
+    draft = DFlashDraftModel.from_target(target, num_layers=2, block_size=5, target_layer_ids=[0, 3], seed=1,
+                                         layer_types=["full_attention", "sliding_attention"], sliding_window=4)
     for p in draft.parameters():  # non-trivial norm weights so a skipped norm would show
         if p.dim() == 1:
             p.uniform_(0.5, 1.5)
-    prompt = torch.randint(0, VOCAB, (1, 11))
-    block = torch.tensor([[7] + [draft.mask_token_id] * 4])
-    block_pos = torch.arange(11, 16)
+        else:  # and weights large enough that attention, hence every mask, matters
+            p.mul_(10)
+    prompts = torch.randint(0, VOCAB, (2, 11))
+    ctx_lens = torch.tensor([7, 11])
+    block = torch.tensor([[7] + [draft.mask_token_id] * 4, [3] + [draft.mask_token_id] * 4])
+    block_pos = ctx_lens[:, None] + torch.arange(5)
     aux = AuxHiddenStates(target, draft.dflash_config.target_layer_ids)
-    target(prompt)
+    target(prompts)
     feats = aux.read()
     aux.remove()
-    ctx_pos = torch.arange(11)[None]
-    k, v = draft.context_kv(draft.context_features(feats), ctx_pos)
-    got = draft(block, block_pos[None], k, v, torch.tensor([11]))[0]
-    ref = reference_draft_logits(target, draft, prompt, block, block_pos)
-    assert got.dtype == torch.float64 and got.shape == (4, VOCAB)
-    assert (got - ref).abs().max().item() <= 1e-9
+    k, v = draft.context_kv(draft.context_features(feats), torch.arange(11).expand(2, 11))
+    got = draft(block, block_pos, k, v, ctx_lens)
+    assert got.dtype == torch.float64 and got.shape == (2, 4, VOCAB)
+    for row in range(2):
+        ref = reference_draft_logits(target, draft, prompts[row:row + 1], block[row:row + 1], block_pos[row],
+                                     int(ctx_lens[row]))
+        assert (got[row] - ref).abs().max().item() <= 1e-9, row
 
 
 def test_borrows_target_modules():

@@ -74,12 +74,35 @@ def test_degenerate_cases():
     assert torch.equal(tokens[:, :4], drafts)
 
 
-def test_accept_matches_greedy_shape_contract():
+def test_greedy_accept_values():
+    # target_tokens[:, i] is the target's argmax after block position i; draft i (proposed for position i + 1) must
+    # equal target_tokens[:, i]. Rows: all right, none right, the first two right, right again after a miss (the
+    # prefix stops at the first miss), only the last right.
+    drafts = torch.tensor([[5, 6, 7], [9, 6, 7], [5, 6, 9], [5, 9, 7], [9, 9, 7]])
+    target = torch.tensor([[5, 6, 7, 8], [5, 6, 7, 8], [5, 6, 7, 8], [5, 6, 7, 8], [5, 6, 7, 8]])
+    tokens, n = greedy_accept(drafts, target)
+    assert n.tolist() == [3, 0, 2, 1, 0]
+    assert tokens.tolist() == [
+        [5, 6, 7, 8], [5, -1, -1, -1], [5, 6, 7, -1], [5, 6, -1, -1], [5, -1, -1, -1],
+    ]
+    # Drafts equal to the target's tokens one place later (an off-by-one in the comparison) are wrong drafts.
+    tokens, n = greedy_accept(torch.tensor([[6, 7, 8]]), torch.tensor([[5, 6, 7, 8]]))
+    assert n.tolist() == [0] and tokens.tolist() == [[5, -1, -1, -1]]
+    # K = 1, and a batch where the rows' bonus tokens differ
+    tokens, n = greedy_accept(torch.tensor([[3], [4]]), torch.tensor([[3, 1], [2, 0]]))
+    assert n.tolist() == [1, 0] and tokens.tolist() == [[3, 1], [2, -1]]
+
+
+def test_speculative_accept_with_uniform_probs_is_greedy_accept_of_the_drafts():
+    # Draft and target distributions equal: every draft is accepted, and the bonus is drawn from the target at
+    # position K with u_bonus = 0 (the first token of nonzero mass): what greedy_accept gives when the target's
+    # tokens are the drafts followed by 0.
     drafts = torch.tensor([[3, 1, 4], [1, 5, 9]])
     p = torch.full((2, 4, 10), 0.1)
     tokens, n = speculative_accept(drafts, p[:, :3], p, torch.zeros(2, 3), torch.zeros(2))
-    ref, _ = greedy_accept(drafts, torch.cat([drafts, torch.zeros(2, 1, dtype=torch.long)], 1))
-    assert tokens.shape == ref.shape == (2, 4) and n.tolist() == [3, 3]
+    ref, ref_n = greedy_accept(drafts, torch.cat([drafts, torch.zeros(2, 1, dtype=torch.long)], 1))
+    assert n.tolist() == ref_n.tolist() == [3, 3]
+    assert tokens.tolist() == ref.tolist() == [[3, 1, 4, 0], [1, 5, 9, 0]]
 
 
 def test_sample_from_is_inverse_cdf():
@@ -116,25 +139,31 @@ def test_process_logits_matches_hf_warpers(temperature, top_k, top_p):
 # ------------------------------------------------------------------ the law of sampled output
 PROMPT = [1, 2, 3]
 V = 8
-T, TOP_K = 0.8, 6
 N = 3000
+# name -> (temperature, top_k, top_p, block_size). "top_p_bonus": one draft per step, so that x2 is often an accepted
+# draft and x3 then the bonus token drawn after full acceptance.
+LAWS = {"top_k": (0.8, 6, 1.0, 4), "top_p_bonus": (0.8, 0, 0.8, 2)}
 
 
-def _peaked_pair():
+def _peaked_pair(block_size):
     target = tiny_target("qwen3", vocab_size=V)
     with torch.no_grad():
         target.get_output_embeddings().weight.mul_(8)  # a peaked next-token distribution
-    draft = DFlashDraftModel.from_target(target, num_layers=2, block_size=4, target_layer_ids=[1, 3], seed=0)
+    draft = DFlashDraftModel.from_target(target, num_layers=2, block_size=block_size, target_layer_ids=[1, 3], seed=0)
     return target, draft
 
 
-def _exact_law(target):
+def _exact_law(target, temperature, top_k, top_p):
     """P(x1, x2, x3 | PROMPT) under the target's own processed conditionals (HF warpers, no cache)."""
     def cond(prefixes):
         with torch.no_grad():
             logits = target(torch.tensor(prefixes)).logits[:, -1]
-        logits = TemperatureLogitsWarper(T)(None, logits)
-        return TopKLogitsWarper(TOP_K)(None, logits).softmax(-1).double()
+        logits = TemperatureLogitsWarper(temperature)(None, logits)
+        if top_k:
+            logits = TopKLogitsWarper(top_k)(None, logits)
+        if top_p < 1:
+            logits = TopPLogitsWarper(top_p)(None, logits)
+        return logits.softmax(-1).double()
 
     p1 = cond([PROMPT])[0]  # [V]
     p2 = cond([PROMPT + [a] for a in range(V)])  # [V, V]
@@ -157,10 +186,10 @@ def _chi_square_p(observed, expected):
     return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), chi2 / 2))
 
 
-def _sampled_counts(target, draft):
+def _sampled_counts(target, draft, temperature, top_k, top_p):
     spec = DFlashSpecWrapper(target, draft, max_batch_size=N, batch_buckets=(N,), max_seq_len=16)
-    out = spec.generate([PROMPT] * N, max_new_tokens=3, do_sample=True, temperature=T, top_k=TOP_K,
-                        seed=list(range(N)), pad_token_id=0, return_dict_in_generate=True)
+    out = spec.generate([PROMPT] * N, max_new_tokens=3, do_sample=True, temperature=temperature, top_k=top_k,
+                        top_p=top_p, seed=list(range(N)), pad_token_id=0, return_dict_in_generate=True)
     new = out.sequences[:, len(PROMPT):]
     counts = torch.zeros(V ** 3)
     counts.index_add_(0, new[:, 0] * V * V + new[:, 1] * V + new[:, 2], torch.ones(N))
@@ -184,19 +213,26 @@ def _exact_match_accept(drafts, draft_probs, target_probs, u_accept, u_bonus):
     return torch.where(pos == n[:, None], nxt[:, None], tokens), n
 
 
-@pytest.mark.parametrize("rule", ["speculative", "exact_match"])
-def test_sampled_law_matches_target(rule, one_thread, monkeypatch):
-    target, draft = _peaked_pair()
-    law = _exact_law(target)
-    assert float(law.max()) > 0.05 and abs(float(law.sum()) - 1) < 1e-6
+@pytest.mark.parametrize(
+    "law,rule", [("top_k", "speculative"), ("top_k", "exact_match"), ("top_p_bonus", "speculative")]
+)
+def test_sampled_law_matches_target(law, rule, one_thread, monkeypatch):
+    temperature, top_k, top_p, block_size = LAWS[law]
+    target, draft = _peaked_pair(block_size)
+    exact = _exact_law(target, temperature, top_k, top_p)
+    assert float(exact.max()) > 0.05 and abs(float(exact.sum()) - 1) < 1e-6
+    if top_p < 1:  # the nucleus cuts real mass: a step that ignored top_p would sample another law
+        assert float((_exact_law(target, temperature, top_k, 1.0) * (exact == 0)).sum()) > 0.05
     if rule == "exact_match":
         monkeypatch.setattr(spec_wrapper, "speculative_accept", _exact_match_accept)
-    counts, out = _sampled_counts(target, draft)
-    p = _chi_square_p(counts, law * N)
-    print(f"{rule}: chi-square p-value {p:.3g}, acceptance length {out.acceptance_length:.2f}, "
+    counts, out = _sampled_counts(target, draft, temperature, top_k, top_p)
+    p = _chi_square_p(counts, exact * N)
+    print(f"{law}/{rule}: chi-square p-value {p:.3g}, acceptance length {out.acceptance_length:.2f}, "
           f"per position {out.num_accepted_tokens_per_pos}")
-    # the test exercises acceptance and rejection alike
+    # the test exercises acceptance and rejection alike (and, with one draft per step, the bonus after it)
     assert 0 < out.num_accepted_tokens < out.num_draft_tokens
+    if block_size == 2:
+        assert sum(s.num_accepted_tokens_per_pos[0] > 0 for s in out.per_request) > N // 10
     if rule == "speculative":
         assert p > 1e-3
     else:

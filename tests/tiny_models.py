@@ -86,3 +86,15 @@ def tiny_target(family: str, seed: int = 0, dtype=torch.float32, **overrides):
             for layer in model.model.layers:
                 layer.self_attn.sinks.normal_(0, 1, generator=torch.Generator().manual_seed(seed))  # non-zero sinks
     return model.to(dtype).eval()
+
+
+def small_target(family: str, **overrides):
+    """A two-layer ``tiny_target`` (Gemma3 keeps one sliding and one full layer)."""
+    extra = {"layer_types": ["sliding_attention", "full_attention"]} if family == "gemma3" else {}
+    return tiny_target(family, num_hidden_layers=2, **extra, **overrides)
+
+
+def random_prompts(lengths, seed: int) -> list[list[int]]:
+    """Prompts of the given lengths, token ids in ``[0, VOCAB - 2)`` (the last two ids stay free for pad / mask)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB - 2, (n,), generator=g).tolist() for n in lengths]

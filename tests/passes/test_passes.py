@@ -332,13 +332,19 @@ graph():
         self.assertEqual(_run_pass(BlockAttentionPass(), gm), (0, {}))
 
     def test_uuid_tracks_the_source(self):
-        passes = build_passes()
-        assert len({p.uuid() for p in passes}) == 3
-        assert passes_uuid() == passes_uuid()
+        # The FX graph cache keys on uuid(): editing any one pass's module must change it and the combined one.
         import inspect
         from unittest import mock
 
-        before = passes[0].uuid()
+        passes = build_passes()
+        before = [p.uuid() for p in passes]
+        assert len(set(before)) == 3
+        combined = passes_uuid()
         real = inspect.getsource
-        with mock.patch.object(inspect, "getsource", lambda obj: real(obj) + "\n# changed\n"):
-            assert passes[0].uuid() != before
+        for edited in passes:
+            module = inspect.getmodule(type(edited))
+            with mock.patch.object(inspect, "getsource",
+                                   lambda obj, m=module: real(obj) + ("\n# edited\n" if obj is m else "")):
+                assert [p.uuid() != b for p, b in zip(passes, before)] == [p is edited for p in passes]
+                assert passes_uuid() != combined
+        assert passes_uuid() == combined  # and nothing else moves it
