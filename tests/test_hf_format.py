@@ -62,8 +62,9 @@ def our_draft_logits(draft, target, ids):
 
 @contextlib.contextmanager
 def hf_steps():
-    """Record every drafting step of transformers' DFlash loop: ``(input_ids, draft logits, accepted drafts)``,
-    accepted = the drafts equal to the target's argmax, counted before transformers trims at max length."""
+    """Record every drafting step of transformers' DFlash loop: its ``ids`` (context + bonus), draft ``logits`` and
+    ``drafts``, and how many were ``accepted`` (the lead drafts equal to the target's argmax, counted before
+    transformers trims at max length)."""
     steps: list[dict] = []
     build = GenerationMixin._get_candidate_generator
 
@@ -117,28 +118,29 @@ def ours(target, draft, prompt, max_new=MAX_NEW):
     return out, logits, accepted
 
 
-def assert_same_steps(hf_steps_, logits, accepted):
-    """Our generate's steps equal transformers' loop's: the same drafts (logits within tolerance) and the same
-    number accepted. transformers stops drafting when no room is left for a draft, so ours may take one step more."""
-    n = len(hf_steps_)
-    assert len(accepted) in (n, n + 1) and len(logits) >= n
-    for step, mine in zip(hf_steps_, logits):
-        assert torch.equal(mine.argmax(-1), step["drafts"])
-        assert (mine - step["logits"]).abs().max().item() <= LOGIT_ATOL
-    assert [s["accepted"] for s in hf_steps_] == accepted[:n]
-
-
-def assert_drafts_match(draft, target, steps):
-    """Every step of transformers' loop proposes what our drafter proposes on the same context; the largest
-    logit difference."""
-    assert len(steps) >= 3
+def assert_same_drafts(steps, logits):
+    """At every step of transformers' loop, ``logits[i]`` (ours) propose the same draft tokens, within tolerance;
+    returns the largest logit difference."""
+    assert len(steps) >= 3 and len(logits) >= len(steps)
     worst = 0.0
-    for step in steps:
-        mine = our_draft_logits(draft, target, step["ids"])
+    for step, mine in zip(steps, logits):
         assert torch.equal(mine.argmax(-1), step["drafts"])
         worst = max(worst, (mine - step["logits"]).abs().max().item())
     assert worst <= LOGIT_ATOL
     return worst
+
+
+def assert_same_steps(steps, logits, accepted):
+    """Our generate's steps equal transformers' loop's: the same drafts and the same number accepted. transformers
+    stops drafting when no room is left for a draft, so ours may take one step more."""
+    assert_same_drafts(steps, logits)
+    n = len(steps)
+    assert len(accepted) in (n, n + 1)
+    assert [s["accepted"] for s in steps] == accepted[:n]
+
+
+def our_drafts_on(draft, target, steps):
+    return [our_draft_logits(draft, target, step["ids"]) for step in steps]
 
 
 @pytest.mark.parametrize("layers", ["full", "sliding"])
@@ -150,7 +152,7 @@ def test_transformers_drafts_equal_ours(target, layers, tmp_path):
     assistant = AutoModel.from_pretrained(tmp_path, dtype=torch.float32)
     assert isinstance(assistant, MuseGlimmerAssistantModel)
     _, steps = hf_dflash(target, assistant, _prompt())
-    worst = assert_drafts_match(draft, target, steps)
+    worst = assert_same_drafts(steps, our_drafts_on(draft, target, steps))
     print(f"max |logit diff| transformers' assistant vs ours: {worst:.3g}")
     # The in-memory rebuild (benchmarks) is the same model as the saved one.
     mem = transformers_assistant(draft).state_dict()
@@ -191,7 +193,7 @@ def test_transformers_loop_is_lossless_and_accepts_as_ours(pair, target, draft, 
     reference = target.generate(prompt, max_new_tokens=max_new, do_sample=False)
     hf_out, steps = hf_dflash(target, assistant, prompt, max_new)
     assert torch.equal(hf_out, reference)
-    assert_drafts_match(draft, target, steps)
+    assert_same_drafts(steps, our_drafts_on(draft, target, steps))
     out, logits, accepted = ours(target, draft, prompt, max_new)
     assert torch.equal(out.sequences, reference)
     assert_same_steps(steps, logits, accepted)
@@ -239,7 +241,7 @@ def test_transformers_built_checkpoint_loads_as_ours(target, tmp_path):
     assistant = AutoModel.from_pretrained(path, dtype=torch.float32)
     prompt = _prompt(seed=5)
     hf_out, steps = hf_dflash(target, assistant, prompt)
-    assert_drafts_match(draft, target, steps)
+    assert_same_drafts(steps, our_drafts_on(draft, target, steps))
     reference = target.generate(prompt, max_new_tokens=MAX_NEW, do_sample=False)
     out, logits, accepted = ours(target, draft, prompt)
     assert torch.equal(out.sequences, reference) and torch.equal(hf_out, reference)
