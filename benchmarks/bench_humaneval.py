@@ -184,7 +184,7 @@ def phase_profile(target, draft, encs: list[dict], args, repeats: int = 50) -> d
     spec = DFlashSpecWrapper(target, draft, max_batch_size=1)
     spec.compile(backend=timed_backend, fullgraph=True)
     clock = {"call": 0.0, "admit": 0.0}
-    call, admit = spec._compiled_call_impl, spec._admit
+    call, admit = spec._compiled_call_impl, spec.scheduler._admit
 
     def timed_call(*a, **k):
         t0 = time.perf_counter()
@@ -198,7 +198,7 @@ def phase_profile(target, draft, encs: list[dict], args, repeats: int = 50) -> d
         clock["admit"] += time.perf_counter() - t0
         return out
 
-    spec._compiled_call_impl, spec._admit = timed_call, timed_admit
+    spec._compiled_call_impl, spec.scheduler._admit = timed_call, timed_admit
     eos = target.generation_config.eos_token_id
 
     def generate_all():

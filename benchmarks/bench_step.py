@@ -21,7 +21,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dflash_compile import DFlashDraftModel, DFlashSpecWrapper
 from dflash_compile.generation import resolve_generation_args
-from dflash_compile.spec_wrapper import _Batch, _Request
+from dflash_compile.scheduler import Scheduler
 
 
 def build(args):
@@ -41,14 +41,12 @@ def step_inputs(spec, bucket, prompt_len):
     """``bucket`` random prompts prefilled together through ``spec``'s own admission, and the step's inputs for
     them, exactly as ``generate`` builds them (fresh pools each call)."""
     spec._cache = None
-    cache = spec.kv_cache()
-    batch = _Batch(spec.max_batch_size, spec.block_size, cache.blocks_per_seq, cache.device)
+    spec.scheduler = Scheduler(spec)
     g = torch.Generator().manual_seed(bucket)
     vocab = spec.draft.config.vocab_size
-    requests = [_Request(i, torch.randint(0, vocab - 1, (prompt_len,), generator=g).tolist()) for i in range(bucket)]
+    prompts = [torch.randint(0, vocab - 1, (prompt_len,), generator=g).tolist() for _ in range(bucket)]
     args = resolve_generation_args(spec.target, prompt_len, dict(max_new_tokens=spec.max_seq_len))
-    spec._admit(batch, requests, cache, args)
-    return spec._step_inputs(batch, cache)[1]
+    return spec.scheduler.prefill_batch(prompts, args)[1]
 
 
 @torch.no_grad()

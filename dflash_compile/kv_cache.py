@@ -158,6 +158,36 @@ class PagedKVCache:
     def device(self) -> torch.device:
         return self.draft_pool.device
 
+    def grow(self, num_blocks: int) -> None:
+        """Hold ``num_blocks`` KV blocks, keeping every block's contents and owner (requests keep running)."""
+        if num_blocks <= self.num_blocks:
+            return
+        kept = self.num_blocks * self.page_size  # the blocks' slots; ZERO_SLOT and TRASH_SLOT are made anew
+
+        def bigger(pool: torch.Tensor, dim: int) -> torch.Tensor:
+            shape = list(pool.shape)
+            shape[dim] = num_blocks * self.page_size + 2
+            new = torch.zeros(shape, dtype=pool.dtype, device=pool.device)
+            new.narrow(dim, 0, kept).copy_(pool.narrow(dim, 0, kept))
+            return new
+
+        self.target_pools = tuple(
+            pool if isinstance(pool, dict) else tuple(bigger(p, 0) for p in pool) if isinstance(pool, tuple)
+            else bigger(pool, 1)
+            for pool in self.target_pools
+        )
+        self.draft_pool = bigger(self.draft_pool, 2)
+        self._free = list(range(num_blocks - 1, self.num_blocks - 1, -1)) + self._free  # low ids still go first
+        self.num_blocks = num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_free_state_slots(self) -> int:
+        return len(self._free_states)
+
     @property
     def nbytes(self) -> int:
         """Bytes of all the pools (build the cache on the ``meta`` device to know them before allocating)."""

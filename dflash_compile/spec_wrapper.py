@@ -1,34 +1,33 @@
 """DFlashSpecWrapper: a Hugging Face causal LM and a DFlash drafter, generating losslessly together.
 
-``forward`` is ONE speculative step for a batch bucket — target verify, acceptance, DFlash propose — as plain,
-static-shaped torch over the paged KV pools, with no host synchronisation. ``prefill`` (the requests that join
-together, in one forward, outside ``forward``) and ``generate`` (the host loop over persistent batch buffers)
-drive it.
+Read top to bottom, this file is the algorithm: ``forward`` is ONE speculative step for a batch bucket — verify,
+accept, inject, propose — as plain, static-shaped torch over the paged KV pools, with no host synchronisation;
+``prefill`` brings the requests that join together into the pools in one forward. ``generate`` and ``submit``
+validate a call and hand its requests to the host scheduler (``scheduler.py``: admission, buckets, emission,
+sampling inputs, threads), which drives the step.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import inspect
 import numbers
 import weakref
-from collections import deque
-from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from .draft_model import DFlashDraftModel
-from .generation import DFlashGenerateOutput, DFlashStats, GenerationArgs, resolve_generation_args
+from .generation import DFlashGenerateOutput, resolve_generation_args
 from .hidden_states import AuxHiddenStates, decoder_layers
 from .kv_cache import (
     PagedKVCache, available_memory, context_visibility, paged_target_cache, probe_layout, read_slots, write_slots,
 )
 from .recurrent import StateAccess, step_by_token, unstep
 from .rejection import greedy_accept, process_logits, sample_from, speculative_accept
+from .scheduler import Scheduler, request_generators
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16)
 _MASKABLE = ("sdpa", "eager")
@@ -56,10 +55,12 @@ def validate_pair(target: nn.Module, draft: DFlashDraftModel, num_speculative_to
         )
     if dflash.mask_token_id >= target_vocab:
         raise ValueError(f"mask_token_id {dflash.mask_token_id} >= target vocab_size {target_vocab}")
-    if num_speculative_tokens is not None and num_speculative_tokens != dflash.block_size - 1:
+    K = num_speculative_tokens
+    if K is not None and (isinstance(K, bool) or not isinstance(K, numbers.Integral)
+                          or not 1 <= K <= dflash.block_size - 1):
         raise ValueError(
-            f"num_speculative_tokens={num_speculative_tokens}, but a DFlash drafter with block_size "
-            f"{dflash.block_size} proposes exactly block_size - 1 = {dflash.block_size - 1}"
+            f"num_speculative_tokens={K!r}: a DFlash drafter with block_size {dflash.block_size} proposes "
+            f"block_size - 1 = {dflash.block_size - 1} tokens, so 1 <= num_speculative_tokens <= {dflash.block_size - 1}"
         )
     tp, dp = next(target.parameters()), next(draft.parameters())
     if tp.dtype != dp.dtype:
@@ -122,66 +123,16 @@ class SamplingInputs(NamedTuple):
     u_draft: torch.Tensor
 
 
-@dataclass
-class _Request:
-    index: int
-    prompt: list[int]
-    new: list[int] = field(default_factory=list)
-    stats: DFlashStats = field(default_factory=DFlashStats)
-    finish_reason: str | None = None
-    seq_len: int = 0  # tokens in the target cache = position of the pending block's first token
-    pages: int = 0  # KV blocks allocated to it (the first ``pages`` entries of its block-table row)
-    generator: torch.Generator | None = None  # the request's own RNG (sampling)
-    drafts: list[list[int]] = field(default_factory=list)  # each step's verified drafts (``output_drafts``)
-
-
-class _Batch:
-    """The running requests' step inputs as persistent device buffers: row ``i`` of every buffer belongs to
-    ``rows[i]``; rows ``len(rows)..`` are free (inactive, empty table). A step runs on the first ``bucket`` rows;
-    its results update the buffers in place (one host read per step), and a row is rewritten only when a request
-    joins, leaves (the last row moves into the hole) or needs another KV block (one table entry)."""
-
-    def __init__(self, num_rows: int, block_size: int, blocks_per_seq: int, device):
-        long = dict(dtype=torch.long, device=device)
-        self.rows: list[_Request] = []
-        self.block = torch.zeros(num_rows, block_size, **long)  # bonus + drafts to verify next
-        self.seq_lens = torch.zeros(num_rows, **long)
-        self.tables = torch.full((num_rows, blocks_per_seq), -1, **long)
-        self.active = torch.zeros(num_rows, dtype=torch.bool, device=device)
-        self.do_sample = torch.zeros(num_rows, dtype=torch.bool, device=device)
-        self.temperature = torch.ones(num_rows, device=device)
-        self.top_k = torch.zeros(num_rows, **long)
-        self.top_p = torch.ones(num_rows, device=device)
-        self.state_slots = torch.zeros(num_rows, **long)  # each row's slot in the recurrent-state pools
-        self.draft_probs: torch.Tensor | None = None  # [num_rows, B-1, V], allocated when sampling
-        self.warm: set[tuple] = set()  # step keys (batch bucket, context pages, sampled) already run
-
-    def clear_row(self, i: int) -> None:
-        self.block[i] = 0
-        self.seq_lens[i] = 0
-        self.tables[i] = -1
-        self.active[i] = False
-        self.do_sample[i] = False
-
-    def remove(self, i: int) -> None:
-        """Drop row ``i``: the last row moves into it."""
-        last = len(self.rows) - 1
-        if i != last:
-            for buf in (self.block, self.seq_lens, self.tables, self.active, self.do_sample, self.temperature,
-                        self.top_k, self.top_p, self.state_slots) + ((self.draft_probs,) if self.draft_probs is not None else ()):
-                buf[i] = buf[last]
-            self.rows[i] = self.rows[last]
-        self.rows.pop()
-        self.clear_row(last)
-
-
 class DFlashSpecWrapper(nn.Module):
     """A target causal LM and its DFlash drafter over one paged KV cache.
 
     Args:
         target: any HF causal LM (``sdpa`` or ``eager`` attention).
         draft: a ``DFlashDraftModel`` for it (bound to ``target`` here).
-        num_speculative_tokens: optional check; must equal ``block_size - 1``.
+        num_speculative_tokens: ``K``, the drafts verified per step, ``1 <= K <= block_size - 1`` (default
+            ``block_size - 1``). The drafter always drafts its whole block; a smaller ``K`` verifies only its
+            first ``K`` drafts, a shorter target forward (faster where verify is compute-bound). Each ``K`` is its
+            own step graph.
         max_batch_size: the most requests decoded at once (larger batches are queued).
         max_seq_len: capacity per request, prompt included (default: ``min(max_position_embeddings, 2048)``).
         page_size: KV block size, in tokens.
@@ -247,15 +198,58 @@ class DFlashSpecWrapper(nn.Module):
         self._unstep = None  # undoes the token stepping of recurrent mixers (installed with the pools)
         self._layout = None  # ((device, dtype), what each target layer caches: kv_cache.probe_layout)
         self.max_cache_bytes = max_cache_bytes
+        self.num_speculative_tokens = num_speculative_tokens or self.block_size - 1
+        self.scheduler = Scheduler(self)
 
     @property
     def block_size(self) -> int:
         return self.draft.block_size
 
+    @property
+    def verify_len(self) -> int:
+        """Tokens the target verifies per step: the bonus and ``num_speculative_tokens`` drafts."""
+        return self.num_speculative_tokens + 1
+
+    sampling_inputs = SamplingInputs
+
+    @classmethod
+    def from_speculative_config(cls, target: nn.Module, speculative_config: dict | str, **kwargs):
+        """A wrapper from vLLM's ``speculative_config`` (a dict or its JSON): ``{"method": "dflash", "model": DIR,
+        "num_speculative_tokens": K}`` (``K`` defaults to ``block_size - 1``; ``max_model_len`` sets
+        ``max_seq_len``). The drafter is loaded from ``DIR`` (either checkpoint format) on the target's device and
+        dtype. ``kwargs`` go to the constructor. Other methods, a missing model directory, ``K`` outside
+        ``[1, block_size - 1]`` and keys it does not know are ``ValueError``."""
+        import json
+        from pathlib import Path
+
+        cfg = json.loads(speculative_config) if isinstance(speculative_config, str) else dict(speculative_config)
+        unknown = sorted(set(cfg) - {"method", "model", "num_speculative_tokens", "max_model_len"})
+        if unknown:
+            raise ValueError(f"speculative_config keys {unknown} are not supported (method, model, "
+                             f"num_speculative_tokens, max_model_len)")
+        if cfg.get("method") != "dflash":
+            raise ValueError(f"speculative_config method {cfg.get('method')!r} is not supported: only 'dflash'")
+        if not cfg.get("model") or not Path(cfg["model"]).is_dir():
+            raise ValueError(f"speculative_config model {cfg.get('model')!r} is not a drafter directory")
+        p = next(target.parameters())
+        tcfg = target.config.get_text_config()
+        draft = DFlashDraftModel.from_pretrained(cfg["model"], dtype=p.dtype, device=p.device,
+                                                 num_target_layers=len(decoder_layers(target)),
+                                                 vocab_size=tcfg.vocab_size)
+        if "max_model_len" in cfg:
+            kwargs.setdefault("max_seq_len", cfg["max_model_len"])
+        return cls(target, draft, cfg.get("num_speculative_tokens"), **kwargs)
+
+    def batch_bucket(self, rows: int) -> int:
+        """The smallest batch bucket that holds ``rows`` rows."""
+        return next(b for b in self.batch_buckets if b >= rows)
+
     def close(self) -> None:
-        """Remove this wrapper's forward hooks (and token stepping) from the target and drop its KV pools (idempotent; also done when
-        the wrapper is garbage-collected). ``generate`` afterwards is an error. ``with DFlashSpecWrapper(...) as
-        spec:`` closes on exit."""
+        """Remove this wrapper's forward hooks (and token stepping) from the target and drop its KV pools (idempotent;
+        also done when the wrapper is garbage-collected). ``generate`` afterwards is an error; so is closing while
+        requests are in flight. ``with DFlashSpecWrapper(...) as spec:`` closes on exit."""
+        if self.scheduler.in_flight():
+            raise RuntimeError("requests are still running on this wrapper: cancel or wait for them before close()")
         self._remove_hooks()
         if self._unstep is not None:
             self._unstep()
@@ -287,9 +281,10 @@ class DFlashSpecWrapper(nn.Module):
         for bucket padding), the pools (``target_pools``: one per target layer; written in place), and
         ``sampling`` (``SamplingInputs``; None: all rows greedy, the greedy-only graph), and ``state_slots [Bk]`` each
         row's slot in the recurrent-state pools (targets with linear-attention layers only; see ``recurrent.py``).
-        Returns ``tokens [Bk, B]`` (accepted drafts then the target's next token, padded with -1),
-        ``num_accepted [Bk]``, ``next_block [Bk, B]`` (the new bonus and its drafts) and ``next_draft_probs
-        [Bk, B-1, V]`` (None without ``sampling``).
+        Returns ``tokens [Bk, K+1]`` (accepted drafts then the target's next token, padded with -1),
+        ``num_accepted [Bk]``, ``next_block [Bk, K+1]`` (the new bonus and its first ``K`` drafts) and
+        ``next_draft_probs [Bk, K, V]`` (None without ``sampling``); ``K = num_speculative_tokens``, and ``block``
+        is ``[Bk, K+1]`` too.
         """
         positions, in_capacity = self._block_positions(block, seq_lens, active)
         logits, aux, states = self._verify(
@@ -378,20 +373,20 @@ class DFlashSpecWrapper(nn.Module):
         draft_pool[:, :, slots] = torch.stack([k, v], dim=1).flatten(2, 3)
 
     def _propose(self, bonus, ctx_lens, block_tables, active, draft_pool, sampling=None):
-        """Draft a block after ``bonus [Bk, 1]`` at position ``ctx_lens``; -> (``[Bk, B]`` bonus + drafts, the
-        drafts' processed distribution ``[Bk, B-1, V]`` or None without ``sampling``)."""
+        """Draft a block after ``bonus [Bk, 1]`` at position ``ctx_lens``; -> (``[Bk, K+1]`` bonus + the first ``K``
+        drafts, their processed distribution ``[Bk, K, V]`` or None without ``sampling``)."""
         Bk, B = bonus.shape[0], self.block_size
         block = torch.cat([bonus, bonus.new_full((Bk, B - 1), self.draft.mask_token_id)], dim=1)
         positions = ctx_lens[:, None] + torch.arange(B, device=bonus.device)
         ctx_lens = torch.where(active, ctx_lens, 0)
         read, _ = read_slots(block_tables, ctx_lens, self.page_size)
         kv = draft_pool[:, :, read]  # [Ld, 2, Bk, S, Hkv, D]
-        logits = self.draft(block, positions, kv[:, 0], kv[:, 1], ctx_lens)
-        drafts = logits.argmax(-1)  # [Bk, B-1]
+        logits = self.draft(block, positions, kv[:, 0], kv[:, 1], ctx_lens)[:, : self.num_speculative_tokens]
+        drafts = logits.argmax(-1)  # [Bk, K]
         probs = None
         if sampling is not None:
             p = sampling
-            probs = process_logits(logits, p.temperature, p.top_k, p.top_p).softmax(-1)  # [Bk, B-1, V]
+            probs = process_logits(logits, p.temperature, p.top_k, p.top_p).softmax(-1)  # [Bk, K, V]
             drafts = torch.where(p.do_sample[:, None], sample_from(probs, p.u_draft), drafts)
         return torch.cat([bonus, drafts], dim=1), probs
 
@@ -403,8 +398,8 @@ class DFlashSpecWrapper(nn.Module):
         cache and draft each one's first block, all rows in one forward.
 
         ``input_ids [n, L]`` left-padded (row ``i``'s prompt is its last ``lens[i]`` tokens), ``block_tables [n,
-        NB]`` covering each prompt. Returns ``([n, B], draft_probs)``: each row's first token and its drafts, and
-        the drafts' distribution ``[n, B-1, V]`` (None without ``sampling``; there ``sampling.u_bonus`` samples
+        NB]`` covering each prompt. Returns ``([n, K+1], draft_probs)``: each row's first token and its drafts, and
+        the drafts' distribution ``[n, K, V]`` (None without ``sampling``; there ``sampling.u_bonus`` samples
         the first token, ``draft_probs``/``u_accept`` are unused). ``state_slots [n]``: the rows' recurrent-state
         slots (hybrid targets), written with each prompt's final state."""
         n, L = input_ids.shape
@@ -428,51 +423,62 @@ class DFlashSpecWrapper(nn.Module):
     # ------------------------------------------------------------------ host loop
     def kv_cache(self, num_blocks: int | None = None) -> PagedKVCache:
         """The paged pools with at least ``num_blocks`` KV blocks (default: the capacity, ``max_batch_size`` requests
-        of ``max_seq_len`` tokens), (re)allocated on the target's device and dtype when needed."""
+        of ``max_seq_len`` tokens), allocated on the target's device and dtype; grown in place, every block's
+        contents kept, when more are needed while requests run."""
         p = next(self.target.parameters())
         num_blocks = num_blocks or self.max_batch_size * -(-self.max_seq_len // self.page_size)
         c = self._cache
-        if c is None or c.device != p.device or c.draft_pool.dtype != p.dtype or c.num_blocks < num_blocks:
-            self._cache = None  # the old pools go first: the new ones are checked against the memory left
-            if self._layout is None or self._layout[0] != (p.device, p.dtype):  # what each target layer caches
-                self._layout = ((p.device, p.dtype), probe_layout(self.target))
-            layout = self._layout[1]
-            if self._unstep is None:  # recurrent mixers run token by token in verify (recurrent.py)
-                step_by_token(self.target, layout)
-                self._unstep = weakref.finalize(self, unstep, self.target)  # at close(), or when the wrapper goes
-            dcfg = self.draft.config
-            pools = functools.partial(
-                PagedKVCache,
-                max_batch_size=self.max_batch_size,
-                max_seq_len=self.max_seq_len,
-                page_size=self.page_size,
-                target_layout=layout,
-                draft_shape=(dcfg.num_hidden_layers, dcfg.num_key_value_heads, dcfg.head_dim),
-                dtype=p.dtype,
-                num_blocks=num_blocks,
-            )
-            need = pools(device="meta").nbytes  # sized on the meta device: nothing allocated yet
-            allowed = self.max_cache_bytes if self.max_cache_bytes is not None else available_memory(p.device)
-            if allowed is not None and need > allowed:
-                raise ValueError(
-                    f"the KV pools need {need} bytes ({num_blocks} blocks of {self.page_size} tokens), more than "
-                    + (f"max_cache_bytes={allowed}" if self.max_cache_bytes is not None
-                       else f"the {allowed} bytes available on {p.device}")
-                    + ": fewer or shorter concurrent requests (max_batch_size, max_seq_len, max_new_tokens) need less"
-                )
-            self._cache = pools(device=p.device)
+        fits = c is not None and c.device == p.device and c.draft_pool.dtype == p.dtype
+        if fits and c.num_blocks >= num_blocks:
+            return c
+        if c is not None and not fits and self.scheduler.in_flight():
+            raise RuntimeError("the target moved to another device or dtype while requests are running")
+        if self._layout is None or self._layout[0] != (p.device, p.dtype):  # what each target layer caches
+            self._layout = ((p.device, p.dtype), probe_layout(self.target))
+        layout = self._layout[1]
+        if self._unstep is None:  # recurrent mixers run token by token in verify (recurrent.py)
+            step_by_token(self.target, layout)
+            self._unstep = weakref.finalize(self, unstep, self.target)  # at close(), or when the wrapper goes
+        dcfg = self.draft.config
+        pools = functools.partial(
+            PagedKVCache,
+            max_batch_size=self.max_batch_size,
+            max_seq_len=self.max_seq_len,
+            page_size=self.page_size,
+            target_layout=layout,
+            draft_shape=(dcfg.num_hidden_layers, dcfg.num_key_value_heads, dcfg.head_dim),
+            dtype=p.dtype,
+            num_blocks=num_blocks,
+        )
+        need = pools(device="meta").nbytes  # sized on the meta device: nothing allocated yet
+        if fits:  # more requests in flight: grow, keeping every running request's blocks
+            self._check_pool_bytes(need, num_blocks, p.device)
+            c.grow(num_blocks)
+            return c
+        self._cache = None  # the old pools go first: the new ones are checked against the memory left
+        self._check_pool_bytes(need, num_blocks, p.device)
+        self._cache = pools(device=p.device)
         return self._cache
+
+    def _check_pool_bytes(self, need: int, num_blocks: int, device) -> None:
+        allowed = self.max_cache_bytes if self.max_cache_bytes is not None else available_memory(device)
+        if allowed is not None and need > allowed:
+            raise ValueError(
+                f"the KV pools need {need} bytes ({num_blocks} blocks of {self.page_size} tokens), more than "
+                + (f"max_cache_bytes={allowed}" if self.max_cache_bytes is not None
+                   else f"the {allowed} bytes available on {device}")
+                + ": fewer or shorter concurrent requests (max_batch_size, max_seq_len, max_new_tokens) need less"
+            )
 
     def kv_cache_bytes(self) -> int:
         """Bytes the KV pools hold now (0 before the first ``generate``)."""
         return self._cache.nbytes if self._cache is not None else 0
 
-    def _context_bucket(self, num_tokens: int) -> int:
+    def context_bucket(self, num_tokens: int) -> int:
         """Pages of the smallest context bucket that holds ``num_tokens`` positions (capped at capacity)."""
         need = -(-min(num_tokens, self.max_seq_len) // self.page_size)
         return next(b for b in self.context_buckets if b >= need)
 
-    @torch.no_grad()
     def generate(
         self,
         input_ids,
@@ -502,19 +508,63 @@ class DFlashSpecWrapper(nn.Module):
         request's own RNG; with neither, the seeds come from torch's global RNG (``torch.manual_seed``).
         ``output_drafts=True`` (with ``return_dict_in_generate``) records the drafts each step verified in the
         output's ``drafts``.
+
+        Thread-safe: calls from several threads share one continuous batch (``submit`` underneath; see
+        ``scheduler.py``), and each gets exactly what it would get alone.
         """
+        if output_drafts and not return_dict_in_generate:
+            raise ValueError("output_drafts=True needs return_dict_in_generate=True")
+        prompts, prefix, args, generators = self._requests(
+            input_ids, attention_mask, streamer, tokenizer, seed, generator, output_drafts,
+            dict(kwargs, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, pad_token_id=pad_token_id),
+        )
+        handles = [self.scheduler.submit(p, args, g) for p, g in zip(prompts, generators)]
+        try:
+            results = [h.result() for h in handles]
+        except BaseException:  # this call fails (or is interrupted): its other rows leave the batch too
+            for h in handles:
+                h.cancel()
+            raise
+        width = max(len(r.tokens) for r in results)
+        pad = args.pad_token_id if args.pad_token_id is not None else 0  # only used when width allows no pad
+        new = torch.tensor([r.tokens + [pad] * (width - len(r.tokens)) for r in results], dtype=torch.long)
+        device = next(self.target.parameters()).device
+        sequences = torch.cat([prefix.cpu(), new], dim=1).to(device)
+        if not return_dict_in_generate:
+            return sequences
+        return DFlashGenerateOutput.build(
+            sequences, [r.stats for r in results], [r.finish_reason for r in results], self.num_speculative_tokens,
+            [len(r.tokens) for r in results], prefix.shape[1], [r.drafts for r in results] if output_drafts else None,
+        )
+
+    def submit(self, input_ids, attention_mask=None, *, streamer=None, tokenizer=None, seed: int | None = None,
+               generator: torch.Generator | None = None, output_drafts: bool = False, **generation_kwargs):
+        """Queue ONE prompt (a token list, a 1-D tensor or a ``[1, L]`` tensor) with ``generate``'s arguments and
+        return a ``RequestHandle`` at once: iterate over it for the new tokens as they are accepted,
+        ``handle.result()`` for a ``RequestResult`` (tokens, finish reason, counters, drafts), ``handle.cancel()``
+        to make it leave at the next step (its KV blocks are freed). Any thread; requests join the running batch
+        at the next step. Invalid arguments raise here, in the caller's thread."""
+        prompts, _, args, generators = self._requests(
+            input_ids, attention_mask, streamer, tokenizer, seed, generator, output_drafts, generation_kwargs,
+            single=True,
+        )
+        return self.scheduler.submit(prompts[0], args, generators[0])
+
+    def _requests(self, input_ids, attention_mask, streamer, tokenizer, seed, generator, output_drafts, kwargs,
+                  single=False):
+        """Validate a call's arguments (before any model work) -> (prompts, the left-padded prefix, its
+        ``GenerationArgs``, one generator per prompt or None)."""
         if not self._remove_hooks.alive:
             raise RuntimeError("this DFlashSpecWrapper is closed (its hooks on the target are removed): make a new one")
-        device = next(self.target.parameters()).device
-        pad_for_inference = pad_token_id
+        pad_for_inference = kwargs.get("pad_token_id")
         if pad_for_inference is None:
             pad_for_inference = getattr(kwargs.get("generation_config") or self.target.generation_config,
                                         "pad_token_id", None)
         prompts, prefix = self._prompts(input_ids, attention_mask, pad_for_inference)
+        if single and len(prompts) != 1:
+            raise ValueError(f"submit takes one prompt, got {len(prompts)}: submit each, or use generate")
         args = resolve_generation_args(
-            self.target,
-            prefix.shape[1] if prefix is not None else max(len(p) for p in prompts),
-            dict(kwargs, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, pad_token_id=pad_token_id),
+            self.target, prefix.shape[1] if prefix is not None else max(len(p) for p in prompts), kwargs
         )
         vocab = self.draft.config.vocab_size
         for i, p in enumerate(prompts):
@@ -533,193 +583,13 @@ class DFlashSpecWrapper(nn.Module):
             raise ValueError("stop_strings needs the tokenizer: generate(..., stop_strings=..., tokenizer=tok)")
         if streamer is not None and len(prompts) > 1:
             raise ValueError(f"a streamer supports batch size 1 only (as in HF), got {len(prompts)} prompts")
-        if output_drafts and not return_dict_in_generate:
-            raise ValueError("output_drafts=True needs return_dict_in_generate=True")
-        generators = _request_generators(len(prompts), seed, generator) if args.do_sample else [None] * len(prompts)
+        generators = request_generators(len(prompts), seed, generator) if args.do_sample else [None] * len(prompts)
         if prefix is None:
             prefix = _left_pad(prompts, args.pad_token_id)
-
-        requests = [_Request(i, p, generator=g) for i, (p, g) in enumerate(zip(prompts, generators))]
         if streamer is not None:
             streamer.put(prefix.cpu())  # HF pushes the prompt first (TextStreamer(skip_prompt=True) drops it)
         args = dataclasses.replace(args, tokenizer=tokenizer, streamer=streamer, output_drafts=output_drafts)
-        self._run(requests, args, device)
-        if streamer is not None:
-            streamer.end()
-
-        width = max(len(r.new) for r in requests)
-        pad = args.pad_token_id if args.pad_token_id is not None else 0  # only used when width allows no pad
-        new = torch.tensor([r.new + [pad] * (width - len(r.new)) for r in requests], dtype=torch.long)
-        sequences = torch.cat([prefix.cpu(), new], dim=1).to(device)
-        if not return_dict_in_generate:
-            return sequences
-        return DFlashGenerateOutput.build(
-            sequences, [r.stats for r in requests], [r.finish_reason for r in requests], self.block_size - 1,
-            [len(r.new) for r in requests], prefix.shape[1], [r.drafts for r in requests] if output_drafts else None,
-        )
-
-    def _uniforms(self, rows: list[_Request], num_rows: int, prefill: bool) -> torch.Tensor:
-        """This step's uniforms ``[num_rows, draws]``, drawn on the host from each request's generator in a fixed
-        order (``[u_accept (B-1), u_bonus, u_draft (B-1)]``; no ``u_accept`` at prefill); zeros for padding."""
-        K = self.block_size - 1
-        draws = 1 + K if prefill else 1 + 2 * K
-        u = torch.zeros(num_rows, draws)
-        for i, r in enumerate(rows):
-            if r.generator is not None:
-                u[i] = torch.rand(draws, generator=r.generator)
-        return u
-
-    def _sampling(self, batch: _Batch, bucket: int) -> SamplingInputs:
-        """The step's ``SamplingInputs`` for the first ``bucket`` rows of ``batch``."""
-        K = self.block_size - 1
-        u = self._uniforms(batch.rows, bucket, prefill=False).to(batch.block.device)
-        return SamplingInputs(
-            do_sample=batch.do_sample[:bucket], temperature=batch.temperature[:bucket], top_k=batch.top_k[:bucket],
-            top_p=batch.top_p[:bucket], draft_probs=batch.draft_probs[:bucket],
-            u_accept=u[:, :K], u_bonus=u[:, K], u_draft=u[:, K + 1:],
-        )
-
-    def _run(self, requests: list[_Request], args: GenerationArgs, device) -> None:
-        compiled = self._compiled_call_impl is not None
-        rows = min(self.max_batch_size, len(requests))  # at once; each needs at most prompt + new tokens + a block
-        longest = min(self.max_seq_len, max(len(r.prompt) for r in requests) + args.max_new_tokens + self.block_size)
-        cache = self.kv_cache(None if compiled else rows * -(-longest // self.page_size))
-        batch = _Batch(next(b for b in self.batch_buckets if b >= rows), self.block_size, cache.blocks_per_seq, device)
-        waiting = deque(requests)
-        # Each (batch bucket, context bucket, sampled) key is one static graph, and every wrapper shares forward's
-        # code object, hence one dynamo cache: lift the per-code-object limit to dynamo's overall one.
-        cfg = torch._dynamo.config
-        settings = (
-            cfg.patch(recompile_limit=max(cfg.recompile_limit, cfg.accumulated_recompile_limit),
-                      automatic_dynamic_shapes=False)
-            if compiled else contextlib.nullcontext()
-        )
-        with settings:
-            while waiting or batch.rows:
-                free = self.max_batch_size - len(batch.rows)
-                if waiting and free:  # everything that fits joins together: one prefill
-                    self._admit(batch, [waiting.popleft() for _ in range(min(len(waiting), free))], cache, args)
-                if batch.rows:
-                    self._step(batch, cache, args)
-
-    def _step(self, batch: _Batch, cache: PagedKVCache, args: GenerationArgs) -> None:
-        """One speculative step of the running rows: one call of ``forward``, one host read."""
-        B, rows = self.block_size, batch.rows
-        bucket, step_inputs = self._step_inputs(batch, cache)
-        sampling = (self._sampling(batch, bucket),) if args.do_sample else ()
-        # A key that already ran in this generate() has its compiled graph in dynamo's cache: only the guards that
-        # tell the cached graphs apart need to run (one graph per key, told apart by the inputs' shapes).
-        key = (bucket, step_inputs[2].shape[1], args.do_sample)
-        warm = key in batch.warm and self._compiled_call_impl is not None
-        states = {"state_slots": batch.state_slots[:bucket]} if cache.has_states else {}
-        with torch.compiler.set_stance(skip_guard_eval_unsafe=True) if warm else contextlib.nullcontext():
-            tokens, num_accepted, next_block, next_probs = self(*step_inputs, *sampling, **states)
-        batch.warm.add(key)
-        verified = batch.block[:bucket, 1:].tolist() if args.output_drafts else None  # before it is overwritten
-        batch.block[:bucket] = next_block
-        batch.seq_lens[:bucket] += num_accepted + batch.active[:bucket]
-        if next_probs is not None:
-            batch.draft_probs[:bucket] = next_probs
-        tokens = tokens.tolist()  # the step's one host read
-        for i in range(len(rows) - 1, -1, -1):  # backwards: a finished row is replaced by the last one
-            r, row = rows[i], tokens[i]
-            a = row.index(-1) - 1 if -1 in row else B - 1
-            r.stats.record(B - 1, a)
-            if verified is not None:
-                r.drafts.append(verified[i])
-            r.seq_len += a + 1
-            for t in row[: a + 1]:
-                if self._emit(r, t, args):
-                    break
-            if r.finish_reason is not None:
-                cache.free(r.index)
-                batch.remove(i)
-
-    def _step_inputs(self, batch: _Batch, cache: PagedKVCache) -> tuple[int, tuple]:
-        """``(bucket, forward's inputs)`` for the running rows: the smallest batch bucket that holds them and the
-        smallest context bucket that holds every row's next block (KV blocks allocated as needed)."""
-        bucket = next(b for b in self.batch_buckets if b >= len(batch.rows))
-        longest = 0
-        for i, r in enumerate(batch.rows):
-            longest = max(longest, r.seq_len + self.block_size)
-            self._grow(batch, i, r, r.seq_len + self.block_size, cache)
-        pages = self._context_bucket(longest)
-        return bucket, (batch.block[:bucket], batch.seq_lens[:bucket], batch.tables[:bucket, :pages],
-                        batch.active[:bucket], cache.target_pools, cache.draft_pool)
-
-    def _grow(self, batch: _Batch, i: int, r: _Request, num_tokens: int, cache: PagedKVCache) -> None:
-        """Allocate KV blocks so row ``i`` (request ``r``) covers ``num_tokens`` positions (capped at capacity)."""
-        if r.pages * self.page_size < min(num_tokens, self.max_seq_len):
-            cache.ensure(r.index, num_tokens)
-            owned = cache.blocks(r.index)
-            batch.tables[i, r.pages : len(owned)] = torch.tensor(owned[r.pages :], dtype=torch.long)
-            r.pages = len(owned)
-
-    def _row_sampling(self, r: _Request, args: GenerationArgs) -> tuple[bool, float, int, float]:
-        """``(do_sample, temperature, top_k, top_p)`` of request ``r``'s row."""
-        return args.do_sample, args.temperature, args.top_k, args.top_p
-
-    def _admit(self, batch: _Batch, new: list[_Request], cache: PagedKVCache, args: GenerationArgs) -> None:
-        """Prefill ``new`` requests together into the free rows of ``batch``; those that finish at once (a
-        prompt at capacity, an eos first token, ``max_new_tokens == 1``) leave again."""
-        B, device = self.block_size, batch.block.device
-        for r in new:
-            if len(r.prompt) >= self.max_seq_len:
-                r.finish_reason = "length"
-        new = [r for r in new if r.finish_reason is None]
-        if not new:
-            return
-        first = len(batch.rows)
-        batch.rows.extend(new)
-        for j, r in enumerate(new):
-            i = first + j
-            r.seq_len = len(r.prompt)
-            self._grow(batch, i, r, r.seq_len, cache)
-            batch.seq_lens[i] = r.seq_len
-            batch.active[i] = True
-            batch.state_slots[i] = cache.state_slot(r.index)
-            batch.do_sample[i], batch.temperature[i], batch.top_k[i], batch.top_p[i] = self._row_sampling(r, args)
-        rows = slice(first, first + len(new))
-        L = max(len(r.prompt) for r in new)
-        ids = torch.tensor([[0] * (L - len(r.prompt)) + r.prompt for r in new], device=device)
-        lens = batch.seq_lens[rows]
-        pages = self._context_bucket(L)
-        sampling = None
-        if args.do_sample:
-            if batch.draft_probs is None:
-                V = self.draft.config.vocab_size
-                batch.draft_probs = torch.zeros(batch.block.shape[0], B - 1, V, device=device)
-            u = self._uniforms(new, len(new), prefill=True).to(device)
-            sampling = SamplingInputs(
-                batch.do_sample[rows], batch.temperature[rows], batch.top_k[rows], batch.top_p[rows],
-                batch.draft_probs[rows], torch.zeros(len(new), B - 1, device=device), u[:, 0], u[:, 1:],
-            )
-        tables = batch.tables[rows, :pages]
-        state_slots = batch.state_slots[rows] if cache.has_states else None
-        block, probs = self.prefill(ids, lens, tables, cache.target_pools, cache.draft_pool, sampling, state_slots)
-        batch.block[rows] = block
-        if probs is not None:
-            batch.draft_probs[rows] = probs
-        first_tokens = block[:, 0].tolist()
-        for i in range(first + len(new) - 1, first - 1, -1):
-            r = batch.rows[i]
-            if self._emit(r, first_tokens[i - first], args):
-                cache.free(r.index)
-                batch.remove(i)
-
-    def _emit(self, r: _Request, token: int, args: GenerationArgs) -> bool:
-        """Append ``token`` to ``r`` and stream it; True when ``r`` is finished: an eos token or a stop string
-        (``"stop"``), ``max_new_tokens`` or capacity (``"length"``)."""
-        r.new.append(token)
-        if args.streamer is not None:
-            args.streamer.put(torch.tensor([token]))
-        if token in args.eos_token_ids:
-            r.finish_reason = "stop"
-        elif args.stop_strings and _ends_with_stop_string(args.tokenizer, r.new, args.stop_strings):
-            r.finish_reason = "stop"
-        elif len(r.new) >= args.max_new_tokens or len(r.prompt) + len(r.new) >= self.max_seq_len:
-            r.finish_reason = "length"
-        return r.finish_reason is not None
+        return prompts, prefix, args, generators
 
     def _prompts(self, input_ids, attention_mask, pad_token_id):
         """-> (token lists without padding, the left-padded input tensor to prefix the output or None)."""
@@ -757,22 +627,6 @@ class DFlashSpecWrapper(nn.Module):
         return [ids_cpu[i][mask[i]].tolist() for i in range(ids.shape[0])], ids
 
 
-def _ends_with_stop_string(tokenizer, tokens: list[int], stop_strings: tuple[str, ...]) -> bool:
-    """Whether the text of ``tokens`` has a stop string that its last token completes.
-
-    Every earlier token was checked when it came, so only a tail window is decoded (never the whole generation):
-    enough tokens that the text before the last token's own has the longest stop string's length plus 3 characters
-    (slack for a UTF-8 character split at the window's edge), doubling the window while tokens decode to less."""
-    longest = max(map(len, stop_strings))
-    last = len(tokenizer.decode(tokens[-1:]))
-    n = longest
-    while True:
-        text = tokenizer.decode(tokens[-n:])
-        if n >= len(tokens) or len(text) - last >= longest + 3:
-            return any(s in text for s in stop_strings)
-        n *= 2
-
-
 def check_tokenizer(tokenizer, target: nn.Module) -> None:
     """A tokenizer whose vocabulary is larger than the target's cannot be used with it: ``ValueError``."""
     vocab = target.config.get_text_config().vocab_size
@@ -781,26 +635,6 @@ def check_tokenizer(tokenizer, target: nn.Module) -> None:
             f"the tokenizer has {len(tokenizer)} tokens but the target's vocabulary has {vocab}: "
             f"they do not belong together"
         )
-
-
-def _request_generators(n: int, seed, generator) -> list[torch.Generator]:
-    """One CPU ``torch.Generator`` per request, from ``seed`` / ``generator`` (or torch's global RNG)."""
-    if seed is not None and generator is not None:
-        raise ValueError("give seed or generator, not both")
-    if isinstance(generator, (list, tuple)):
-        if len(generator) != n:
-            raise ValueError(f"{len(generator)} generators for {n} prompts")
-        return list(generator)
-    if isinstance(seed, (list, tuple)):
-        if len(seed) != n:
-            raise ValueError(f"{len(seed)} seeds for {n} prompts")
-        seeds = [int(x) for x in seed]
-    else:
-        source = generator if generator is not None else (
-            torch.Generator().manual_seed(int(seed)) if seed is not None else None
-        )
-        seeds = torch.randint(0, 2**62, (n,), generator=source).tolist()
-    return [torch.Generator().manual_seed(x) for x in seeds]
 
 
 def _left_pad(prompts: list[list[int]], pad: int | None) -> torch.Tensor:

@@ -182,7 +182,7 @@ def main(argv=None) -> None:
         seq = seq[: len(seq) - (o.sequences.shape[1] - o.prompt_width - o.num_new_tokens[i])]  # drop end padding
         text = tok.decode(seq, skip_special_tokens=True) if tok else f"tokens: {seq}"
         print(f"--- [{k}] finish reason: {o.finish_reasons[i]}\n{text}")
-    total = DFlashStats.total([o.per_request[i] for o, i in rows], spec.block_size - 1)
+    total = DFlashStats.total([o.per_request[i] for o, i in rows], spec.num_speculative_tokens)
     generated = sum(o.num_new_tokens[i] for o, i in rows)
     mode = (f"sampling T={args.temperature} top_k={args.top_k} top_p={args.top_p} seed={args.seed}"
             if args.temperature > 0 else "greedy")

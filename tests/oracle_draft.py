@@ -98,7 +98,7 @@ def check_drafting(draft: OracleDrafter, prompts, fulls, out) -> tuple[int, int]
     """Every row's recorded acceptance equals the replayed one and reaches the oracle's forced prefix.
 
     Returns ``(accepted drafts, forced drafts)`` over the batch, for the caller's non-vacuity checks."""
-    K = draft.block_size - 1
+    K = len(out.num_accepted_tokens_per_pos)  # drafts verified per step (num_speculative_tokens)
     total_a = total_f = 0
     for i, (prompt, full) in enumerate(zip(prompts, fulls)):
         accepted, forced = recount(draft, len(prompt), full, out.drafts[i])

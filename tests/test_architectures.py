@@ -3,10 +3,10 @@ states), MLA (DeepSeek-V3: K and V of different widths), gpt-oss (sinks, alterna
 ``sliding_window`` and no ``layer_types``.
 
 Greedy output is the same whatever the drafter proposes, so each target runs with three drafters: a random one
-(nothing accepted), an always-right one (a zero LM head: every draft accepted) and an oracle that is right for
-exactly ``position % block_size`` drafts of each block. The oracle's acceptance is known in advance, so a recurrent
-state restored to the wrong block position (or a draft pool that misses its context) shows in the tokens AND in the
-per-position acceptance counts.
+(nothing accepted), an always-right one (a zero LM head: every draft accepted) and an oracle right on the first
+``position % block_size`` drafts of each block (``oracle_draft.py``), whose every step's acceptance is replayed
+from the verified drafts: a recurrent state restored to the wrong block position, or a draft pool that misses its
+context, shows in the tokens or in the acceptance.
 """
 
 import pytest
@@ -17,7 +17,9 @@ from torch._dynamo.utils import counters
 from dflash_compile import DFlashDraftModel, DFlashSpecWrapper
 from dflash_compile.kv_cache import TRASH_SLOT, ZERO_SLOT
 from dflash_compile.recurrent import unstep
-from test_batching import _Recorder
+from dflash_compile.scheduler import Scheduler
+from oracle_draft import check_drafting, oracle_pair
+from test_batching import poisoning
 from test_sampling import PROMPT, TOP_K, V, T, _chi_square_p, _exact_law, one_thread  # noqa: F401
 from tiny_models import VOCAB, tiny_target
 
@@ -38,74 +40,40 @@ def _reference(target, prompt, new=NEW):
     return target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=new)[0, len(prompt):].tolist()
 
 
-class _Oracle(_Recorder):
-    """Drafts the target's own greedy continuation (``truth``, one row per batch row) for the first
-    ``position % block_size`` draft positions of each block and a wrong token after them."""
-
-    truth: torch.Tensor | None = None
-
-    def _propose(self, bonus, ctx_lens, block_tables, active, draft_pool, sampling=None):
-        block, probs = super()._propose(bonus, ctx_lens, block_tables, active, draft_pool, sampling)
-        if self.truth is None:
-            return block, probs
-        j = torch.arange(1, block.shape[1], device=block.device)
-        idx = (ctx_lens[:, None] + j).clamp(max=self.truth.shape[1] - 1)
-        truth = self.truth[: block.shape[0]].gather(1, idx)
-        right = j[None, :] <= (ctx_lens % block.shape[1])[:, None]
-        return torch.cat([block[:, :1], torch.where(right, truth, (truth + 1) % VOCAB)], dim=1), probs
-
-
-def _oracle_truth(prompts, longer_refs, rows):
-    """Each prompt and its greedy continuation (``longer_refs``: a block past ``NEW``, so the last block's drafts are
-    known), one row per batch row, at a fixed width (max_seq_len): one compiled graph for any prompts."""
-    truth = torch.zeros(rows, 96, dtype=torch.long)
-    for i, (p, r) in enumerate(zip(prompts, longer_refs)):
-        truth[i, : len(p) + len(r)] = torch.tensor(p + r)
-    return truth
-
-
-def _oracle_acceptance(prompt_len, new=NEW):
-    """Per-position accepted counts the oracle must produce: a block at position ``pos`` accepts ``pos % B``."""
-    per_pos, pos, made = [0] * (B - 1), prompt_len, 1  # prefill made the first token (the bonus at prompt_len)
-    while made < new:
-        a = pos % B
-        for i in range(a):
-            per_pos[i] += 1
-        pos, made = pos + a + 1, made + a + 1
-    return per_pos
-
-
-def _spec(target, drafter, cls=_Oracle, **kw):
+def _spec(target, drafter, prompts=(), cls=DFlashSpecWrapper, **kw):
+    """(wrapper, the oracle's greedy sequences or None)."""
+    draft_kw = dict(num_layers=2, block_size=B, target_layer_ids=[1, 3], seed=0)
+    fulls = None
     if drafter == "always_right":
         with torch.no_grad():
             target.get_output_embeddings().weight.zero_()  # every logit 0: the target and drafter both pick token 0
-    draft = DFlashDraftModel.from_target(target, num_layers=2, block_size=B, target_layer_ids=[1, 3], seed=0)
-    return cls(target, draft, **{**dict(max_batch_size=4, max_seq_len=96, page_size=8), **kw})
+    if drafter == "oracle":
+        draft, fulls = oracle_pair(target, list(prompts), NEW, 96, **draft_kw)
+    else:
+        draft = DFlashDraftModel.from_target(target, **draft_kw)
+    return cls(target, draft, **{**dict(max_batch_size=4, max_seq_len=96, page_size=8), **kw}), fulls
 
 
 @pytest.mark.parametrize("drafter", ["random", "always_right", "oracle"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_lossless(arch, drafter):
     target = tiny_target(arch)
-    spec = _spec(target, drafter)
     prompts = _prompts()
-    longer = [_reference(target, p, NEW + B) for p in prompts]
-    refs = [r[:NEW] for r in longer]
-    for p, ref, long in zip(prompts, refs, longer):  # batch 1, several prompt lengths
-        if drafter == "oracle":
-            spec.truth = _oracle_truth([p], [long], 1)
-        out = spec.generate([p], max_new_tokens=NEW, return_dict_in_generate=True)
+    spec, fulls = _spec(target, drafter, prompts)
+    refs = [_reference(target, p) for p in prompts]
+    kw = dict(max_new_tokens=NEW, return_dict_in_generate=True, output_drafts=True)
+    for i, (p, ref) in enumerate(zip(prompts, refs)):  # batch 1, several prompt lengths
+        out = spec.generate([p], **kw)
         assert out.sequences[0, len(p):].tolist() == ref
         if drafter == "oracle":
-            assert out.per_request[0].num_accepted_tokens_per_pos == _oracle_acceptance(len(p))
+            accepted, forced = check_drafting(spec.draft, [p], [fulls[i]], out)
+            assert forced > 0
         if drafter == "always_right":
-            assert out.per_request[0].num_accepted_tokens == out.per_request[0].num_draft_tokens
-    if drafter == "oracle":
-        spec.truth = _oracle_truth(prompts, longer, 4)
-    out = spec.generate(prompts, max_new_tokens=NEW, pad_token_id=PAD, return_dict_in_generate=True)  # left-padded
+            assert out.num_accepted_tokens == out.num_draft_tokens > 0
+    out = spec.generate(prompts, pad_token_id=PAD, **kw)  # left-padded
     assert [out.sequences[i, out.prompt_width:].tolist() for i in range(3)] == refs
     if drafter == "oracle":
-        assert [s.num_accepted_tokens_per_pos for s in out.per_request] == [_oracle_acceptance(n) for n in LENGTHS]
+        check_drafting(spec.draft, prompts, fulls, out)
 
 
 def test_pools_sized_from_what_each_layer_caches():
@@ -131,56 +99,58 @@ def test_pools_sized_from_what_each_layer_caches():
 
 def test_hybrid_compiles_to_one_graph_per_bucket():
     target = tiny_target(HYBRID)
-    prompts = _prompts()
-    spec = _spec(target, "oracle", context_buckets=(96,))
-    spec.truth = _oracle_truth(prompts, [_reference(target, p, NEW + B) for p in prompts], 4)
-    eager = spec.generate(prompts, max_new_tokens=NEW, pad_token_id=PAD, return_dict_in_generate=True)
+    prompts, later = _prompts(), _prompts(seed=1)
+    spec, fulls = _spec(target, "oracle", prompts + later, context_buckets=(96,))
+    kw = dict(max_new_tokens=NEW, pad_token_id=PAD, return_dict_in_generate=True, output_drafts=True)
+    eager = spec.generate(prompts, **kw)
     counters.clear()
     torch._dynamo.reset()
     spec.compile(backend="dflash", fullgraph=True)
-    out = spec.generate(prompts, max_new_tokens=NEW, pad_token_id=PAD, return_dict_in_generate=True)
+    out = spec.generate(prompts, **kw)
     assert torch.equal(out.sequences, eager.sequences)
-    assert out.per_request == eager.per_request  # the same drafts accepted at the same positions
-    assert counters["stats"]["unique_graphs"] == 1  # three rows finishing together: one batch bucket, one context
-    # The passes still fire on the full-attention layers: 2 target + 2 drafter attentions, 2 target K/V writes.
-    assert dict(counters["dflash"]) == {"block_attention": 4, "paged_kv_write": 2 + 3, "fused_kv_proj": 1}
-    later = _prompts(seed=1)  # new prompts of the same lengths: the oracle's steps run the same buckets
-    longer = [_reference(target, p, NEW + B) for p in later]
-    spec.truth = _oracle_truth(later, longer, 4)
-    with torch.compiler.set_stance("fail_on_recompile"):
-        again = spec.generate(later, max_new_tokens=NEW, pad_token_id=PAD, return_dict_in_generate=True)
-    assert [again.sequences[i, again.prompt_width:].tolist() for i in range(3)] == [r[:NEW] for r in longer]
-    assert [s.num_accepted_tokens_per_pos for s in again.per_request] == [_oracle_acceptance(n) for n in LENGTHS]
+    assert out.drafts == eager.drafts and out.per_request == eager.per_request  # the same drafts, accepted alike
+    check_drafting(spec.draft, prompts, fulls[:3], out)
+    graphs = counters["stats"]["unique_graphs"]  # one per batch bucket the shrinking batch ran at
+    # The passes still fire on the full-attention layers: 2 target + 2 drafter attentions, 2 + 3 pool writes.
+    assert graphs >= 1 and dict(counters["dflash"]) == {
+        "block_attention": 4 * graphs, "paged_kv_write": 5 * graphs, "fused_kv_proj": graphs}
+    with torch.compiler.set_stance("fail_on_recompile"):  # a later batch reuses the graphs
+        again = spec.generate(later, **kw)
+    assert [again.sequences[i, again.prompt_width:].tolist() for i in range(3)] == [_reference(target, p) for p in later]
+    check_drafting(spec.draft, later, fulls[3:], again)
 
 
-class _StatePoisoner(_Recorder):
-    victim = 1
+class _StatePoisoner(Scheduler):
+    """Fills the recurrent-state slot of the request whose prompt is ``victim`` with NaN right after its prefill."""
 
-    def _admit(self, batch, new, cache, args):
-        super()._admit(batch, new, cache, args)
-        if any(r.index == self.victim for r in new) and any(r.index == self.victim for r in batch.rows):
-            slot = cache.state_slot(self.victim)
-            for pool in cache.target_pools:
-                if isinstance(pool, dict):
-                    for state in pool.values():
-                        state[slot] = float("nan")
+    victim: list[int] = []
+
+    def _admit(self, new):
+        super()._admit(new)
+        for r in new:
+            if r.prompt == self.victim and r in self.batch.rows:
+                slot = self.cache.state_slot(r.index)
+                for pool in self.cache.target_pools:
+                    if isinstance(pool, dict):
+                        for state in pool.values():
+                            state[slot] = float("nan")
 
 
 @pytest.mark.parametrize("max_batch_size", [4, 2], ids=["together", "queued_reuse"])
 def test_poisoned_state_slot_does_not_leak(max_batch_size):
     target = tiny_target(HYBRID)
     prompts = _prompts([9, 21, 4, 16])
-    clean = _spec(target, "random", _Recorder, max_batch_size=max_batch_size)
-    ref = clean.generate(prompts, max_new_tokens=NEW, pad_token_id=PAD, return_dict_in_generate=True)
-    poisoned = _spec(target, "random", _StatePoisoner, max_batch_size=max_batch_size)
-    out = poisoned.generate(prompts, max_new_tokens=NEW, pad_token_id=PAD, return_dict_in_generate=True)
+    kw = dict(max_new_tokens=NEW, pad_token_id=PAD, return_dict_in_generate=True, output_drafts=True)
+    ref = _spec(target, "random", max_batch_size=max_batch_size)[0].generate(prompts, **kw)
+    poisoned = poisoning(_spec(target, "random", max_batch_size=max_batch_size)[0], _StatePoisoner, prompts[1])
+    out = poisoned.generate(prompts, **kw)
     keep = [0, 2, 3]
     assert torch.equal(out.sequences[keep], ref.sequences[keep])
-    assert [poisoned.drafts[i] for i in keep] == [clean.drafts[i] for i in keep]
+    assert [out.drafts[i] for i in keep] == [ref.drafts[i] for i in keep]
     assert not torch.equal(out.sequences[1], ref.sequences[1])  # the poison really reached the victim's state
 
 
-class _StateAuditor(_Oracle):
+class _StateAuditor(DFlashSpecWrapper):
     """After every step: the state pools changed only in live rows' slots (or the trash), never in ZERO_SLOT."""
 
     def forward(self, *inputs, state_slots=None, **kw):
@@ -200,7 +170,7 @@ class _StateAuditor(_Oracle):
 
 def test_state_writes_stay_in_own_slots():
     target = tiny_target(HYBRID)
-    spec = _spec(target, "random", _StateAuditor, max_batch_size=4)
+    spec = _spec(target, "random", cls=_StateAuditor, max_batch_size=4)[0]
     spec.generate(_prompts([3, 27, 9, 14, 6]), max_new_tokens=NEW, pad_token_id=PAD)
     assert spec.audited > 3
 
@@ -224,7 +194,7 @@ def test_hybrid_sampling_keeps_the_targets_law(one_thread):  # noqa: F811
 def test_token_stepping_is_owned_by_each_wrapper():
     target = tiny_target(HYBRID)
     mixer = target.model.layers[0].linear_attn
-    specs = [_spec(target, "random", DFlashSpecWrapper) for _ in range(2)]
+    specs = [_spec(target, "random")[0] for _ in range(2)]
     for spec in specs:
         spec.kv_cache()
         spec.kv_cache(num_blocks=10 ** 3)  # reallocating the pools does not step twice
@@ -252,7 +222,7 @@ def test_qwen3_5_checkpoint_class_with_text_prompts():
         target = transformers.Qwen3_5ForConditionalGeneration(config).eval()
     target.generation_config.eos_token_id = target.generation_config.pad_token_id = None
     target.generation_config.bos_token_id = None
-    spec = _spec(target, "random", DFlashSpecWrapper)
+    spec = _spec(target, "random")[0]
     prompts = _prompts([7, 20])
     out = spec.generate(prompts, max_new_tokens=NEW, pad_token_id=PAD)
     assert [out[i, -NEW:].tolist() for i in range(2)] == [_reference(target, p) for p in prompts]

@@ -6,6 +6,7 @@ from torch._dynamo.utils import counters
 
 from dflash_compile import DFlashDraftModel, DFlashSpecWrapper
 from dflash_compile.kv_cache import TRASH_SLOT, ZERO_SLOT
+from dflash_compile.scheduler import Scheduler
 from tiny_models import FAMILIES, VOCAB, tiny_target
 
 MAX_NEW = 16
@@ -128,37 +129,25 @@ def test_writes_stay_in_own_blocks():
     assert spec.audited > 3
 
 
-class _Recorder(DFlashSpecWrapper):
-    """Records every block the drafter proposes, per request, so drafts (not only tokens) can be compared."""
+class _Poisoner(Scheduler):
+    """Fills the KV blocks of the request whose prompt is ``victim`` with NaN right after its prefill."""
 
-    def _run(self, requests, args, device):
-        self.drafts = {r.index: [] for r in requests}
-        super()._run(requests, args, device)
+    victim: list[int] = []
 
-    def _record(self, batch, rows):
-        for i in rows:
-            self.drafts[batch.rows[i].index].append(batch.block[i].tolist())
-
-    def _admit(self, batch, new, cache, args):
-        first = len(batch.rows)
-        super()._admit(batch, new, cache, args)
-        self._record(batch, range(first, len(batch.rows)))
-
-    def _step(self, batch, cache, args):
-        super()._step(batch, cache, args)
-        self._record(batch, range(len(batch.rows)))
+    def _admit(self, new):
+        super()._admit(new)
+        for r in new:
+            if r.prompt == self.victim and r in self.batch.rows:
+                slots = self.cache.slots_of(r.index)
+                for pool in self.cache.target_pools:
+                    pool[:, slots] = float("nan")
+                self.cache.draft_pool[:, :, slots] = float("nan")
 
 
-class _Poisoner(_Recorder):
-    victim = 1
-
-    def _admit(self, batch, new, cache, args):
-        super()._admit(batch, new, cache, args)
-        if any(r.index == self.victim for r in new) and any(r.index == self.victim for r in batch.rows):
-            slots = cache.slots_of(self.victim)
-            for pool in cache.target_pools:
-                pool[:, slots] = float("nan")
-            cache.draft_pool[:, :, slots] = float("nan")
+def poisoning(spec, scheduler_cls, victim):
+    spec.scheduler = scheduler_cls(spec)
+    spec.scheduler.victim = victim
+    return spec
 
 
 @pytest.mark.parametrize("max_batch_size", [8, 2], ids=["together", "queued_reuse"])
@@ -166,14 +155,16 @@ def test_poisoned_request_does_not_leak(max_batch_size):
     target = tiny_target("qwen3")
     draft = DFlashDraftModel.from_target(target, num_layers=2, block_size=4, target_layer_ids=[1, 3], seed=0)
     prompts = _prompts([9, 21, 4, 16])
-    clean = _Recorder(target, draft, max_batch_size=max_batch_size, max_seq_len=64, page_size=4)
-    ref = clean.generate(prompts, max_new_tokens=MAX_NEW, pad_token_id=PAD, return_dict_in_generate=True)
-    poisoned = _Poisoner(target, draft, max_batch_size=max_batch_size, max_seq_len=64, page_size=4)
-    out = poisoned.generate(prompts, max_new_tokens=MAX_NEW, pad_token_id=PAD, return_dict_in_generate=True)
+    kw = dict(max_new_tokens=MAX_NEW, pad_token_id=PAD, return_dict_in_generate=True, output_drafts=True)
+    clean = DFlashSpecWrapper(target, draft, max_batch_size=max_batch_size, max_seq_len=64, page_size=4)
+    ref = clean.generate(prompts, **kw)
+    poisoned = poisoning(DFlashSpecWrapper(target, draft, max_batch_size=max_batch_size, max_seq_len=64, page_size=4),
+                         _Poisoner, prompts[1])
+    out = poisoned.generate(prompts, **kw)
     keep = [0, 2, 3]
     assert torch.equal(out.sequences[keep], ref.sequences[keep])
     # Verification would hide poisoned drafts in the tokens: compare every block the drafter proposed.
-    assert [poisoned.drafts[i] for i in keep] == [clean.drafts[i] for i in keep]
+    assert [out.drafts[i] for i in keep] == [ref.drafts[i] for i in keep]
     assert [out.per_request[i] for i in keep] == [ref.per_request[i] for i in keep]
     assert not torch.equal(out.sequences[1], ref.sequences[1])  # the poison really reached the victim
 

@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from dflash_compile import DFlashDraftModel, DFlashSpecWrapper
 from dflash_compile.backends import dflash_backend, dflash_passes, lower
 from dflash_compile.generation import resolve_generation_args
-from dflash_compile.spec_wrapper import _Batch, _context_pages, _Request
+from dflash_compile.spec_wrapper import _context_pages
 from tiny_models import VOCAB, tiny_target
 
 PAD = VOCAB - 2
@@ -104,17 +104,14 @@ def test_context_buckets():
         _context_pages((0, 16), 64, 16)
     _, _, spec = _pair(max_batch_size=2, max_seq_len=256, page_size=8, context_buckets=(32, 64))
     assert spec.context_buckets == (4, 8, 32)
-    assert [spec._context_bucket(n) for n in (1, 32, 33, 64, 65, 256, 999)] == [4, 4, 8, 8, 32, 32, 32]
+    assert [spec.context_bucket(n) for n in (1, 32, 33, 64, 65, 256, 999)] == [4, 4, 8, 8, 32, 32, 32]
 
 
 def test_step_attends_over_its_context_bucket_not_the_capacity():
     # The eager step too: its block table (and so every gather and mask) spans the bucket of the live rows.
     _, _, spec = _pair(max_batch_size=4, max_seq_len=512, page_size=8, context_buckets=(16, 64))
-    cache = spec.kv_cache()
-    batch = _Batch(spec.max_batch_size, spec.block_size, cache.blocks_per_seq, cache.device)
-    requests = [_Request(i, p) for i, p in enumerate(_prompts([5, 9, 3]))]
-    spec._admit(batch, requests, cache, resolve_generation_args(spec.target, 9, dict(max_new_tokens=50)))
-    bucket, inputs = spec._step_inputs(batch, cache)
+    args = resolve_generation_args(spec.target, 9, dict(max_new_tokens=50))
+    bucket, inputs = spec.scheduler.prefill_batch(_prompts([5, 9, 3]), args)
     block, seq_lens, tables, active = inputs[:4]
     assert bucket == 4 and tables.shape == (4, 2)  # 9 + 4 positions -> the 16-token bucket: 2 pages of 8
     assert seq_lens.tolist() == [5, 9, 3, 0] and active.tolist() == [True, True, True, False]

@@ -1,7 +1,6 @@
 """Lossless speculative sampling: the acceptance rule exactly, the sampling warpers against HF's, and the law of
 sampled DFlash output against the target's own law (chi-square), with a broken rule shown to fail the test."""
 
-import dataclasses
 
 import pytest
 import torch
@@ -9,7 +8,6 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 
 import dflash_compile.spec_wrapper as spec_wrapper
 from dflash_compile import DFlashDraftModel, DFlashSpecWrapper
-from dflash_compile.generation import resolve_generation_args
 from dflash_compile.rejection import greedy_accept, process_logits, sample_from, speculative_accept
 from tiny_models import tiny_target
 
@@ -269,14 +267,11 @@ def test_greedy_rows_in_the_sampling_graph_are_greedy(one_thread):
     target, spec = _pair()
     prompt = [5, 6, 7, 8]
     ref = target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=10)
-    # sampling inputs given, but do_sample False for the row: the step must produce the greedy tokens
-    spec._row_sampling = lambda r, args: (False, args.temperature, args.top_k, args.top_p)
-    args = dataclasses.replace(resolve_generation_args(target, len(prompt), dict(max_new_tokens=10)),
-                               do_sample=True, temperature=0.5, top_k=3, top_p=0.5)  # must not matter for greedy rows
-    requests = [spec_wrapper._Request(0, prompt, generator=torch.Generator().manual_seed(0))]
-    with torch.no_grad():
-        spec._run(requests, args, torch.device("cpu"))
-    assert requests[0].new == ref[0, len(prompt):].tolist()
+    # A sampled request keeps the batch on the sampling graph; the greedy row in it must still be greedy.
+    sampled = spec.submit([9, 3, 4], max_new_tokens=40, do_sample=True, temperature=0.5, top_k=3, top_p=0.5, seed=0)
+    greedy = spec.submit(prompt, max_new_tokens=10)
+    assert greedy.result().tokens == ref[0, len(prompt):].tolist()
+    assert len(sampled.result().tokens) == 40  # >= 10 steps: the greedy row joined within one and ran alongside
 
 
 def test_sampling_step_compiles_fullgraph(one_thread):

@@ -1,0 +1,506 @@
+"""The host side of generation: requests from any number of threads share one continuous batch.
+
+Threading model. Each ``DFlashSpecWrapper`` owns one ``Scheduler``. ``submit`` may be called from any thread: it
+queues the request and returns a ``RequestHandle`` at once. One driver thread per wrapper (started on demand,
+gone when no request is left) runs the loop: at every step boundary it drops cancelled requests, admits the
+queued ones that fit (prefilled together, in one forward) and runs one step of everything running. So requests
+that arrive separately share the batch, each at the next step after it arrives. Everything a request produces
+(tokens, its streamer's calls, its finish) is its own: a streamer that raises fails that request alone, and the
+others' rows never see its tokens (row outputs do not depend on other rows). An error the driver cannot pin on
+one request (the step itself failing) fails every request in flight, frees all their blocks and leaves the
+wrapper usable. Compiled steps of all wrappers run under one process-wide lock: dynamo's guard stance is global
+state, and a warm step evaluates only the guards that tell its own graphs apart.
+
+A request's KV blocks and recurrent-state slot are freed when it finishes, fails or is cancelled. Pools grow
+(contents kept) when the requests in flight need more blocks than they hold; compiled, they are allocated at
+capacity once, so a pool's shape never changes under a compiled graph.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import queue
+import threading
+from collections import deque
+from concurrent.futures import CancelledError
+from dataclasses import dataclass, field
+
+import torch
+
+from .generation import DFlashStats, GenerationArgs
+
+_COMPILED_STEPS = threading.Lock()  # one compiled step at a time, process-wide (the guard stance is global)
+_END = object()
+
+
+@dataclass
+class _Request:
+    index: int
+    prompt: list[int]
+    args: GenerationArgs
+    generator: torch.Generator | None = None  # the request's own RNG (sampling)
+    new: list[int] = field(default_factory=list)
+    stats: DFlashStats = field(default_factory=DFlashStats)
+    finish_reason: str | None = None  # "stop", "length", or "cancelled"
+    seq_len: int = 0  # tokens in the target cache = position of the pending block's first token
+    pages: int = 0  # KV blocks allocated to it (the first ``pages`` entries of its block-table row)
+    drafts: list[list[int]] = field(default_factory=list)  # each step's verified drafts (``output_drafts``)
+    error: BaseException | None = None
+    cancelled: bool = False
+    handle: RequestHandle | None = None
+
+
+@dataclass
+class RequestResult:
+    """What one request produced: its new tokens, why it stopped, its speculation counters and (with
+    ``output_drafts``) the drafts each step verified."""
+
+    prompt: list[int]
+    tokens: list[int]
+    finish_reason: str
+    stats: DFlashStats
+    drafts: list[list[int]] | None
+
+
+class RequestHandle:
+    """One submitted request. Iterate over it for its new tokens as they are accepted (from any thread);
+    ``result()`` waits for the end; ``cancel()`` makes it leave the batch at the next step (its blocks are freed)
+    and ``result()`` then raises ``concurrent.futures.CancelledError``."""
+
+    def __init__(self, request: _Request):
+        self._request = request
+        self._tokens: queue.SimpleQueue = queue.SimpleQueue()
+        self._done = threading.Event()
+        request.handle = self
+
+    def __iter__(self):
+        while (token := self._tokens.get()) is not _END:
+            yield token
+        self._raise()
+
+    def result(self, timeout: float | None = None) -> RequestResult:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"request {self._request.index} is still running after {timeout} s")
+        self._raise()
+        r = self._request
+        return RequestResult(r.prompt, list(r.new), r.finish_reason, r.stats,
+                             r.drafts if r.args.output_drafts else None)
+
+    def cancel(self) -> None:
+        self._request.cancelled = True
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def _raise(self) -> None:
+        r = self._request
+        if r.error is not None:
+            raise r.error
+        if r.finish_reason == "cancelled":
+            raise CancelledError(f"request {r.index} was cancelled")
+
+    def _put(self, token: int) -> None:
+        self._tokens.put(token)
+
+    def _finish(self) -> None:
+        self._tokens.put(_END)
+        self._done.set()
+
+
+class _Batch:
+    """The running requests' step inputs as persistent device buffers: row ``i`` of every buffer belongs to
+    ``rows[i]``; rows ``len(rows)..`` are free (inactive, empty table). A step runs on the first ``bucket`` rows;
+    its results update the buffers in place (one host read per step), and a row is rewritten only when a request
+    joins, leaves (the last row moves into the hole) or needs another KV block (one table entry). ``grow`` makes
+    room for more rows (contents kept)."""
+
+    def __init__(self, num_rows: int, verify_len: int, blocks_per_seq: int, device):
+        long = dict(dtype=torch.long, device=device)
+        self.rows: list[_Request] = []
+        self.block = torch.zeros(num_rows, verify_len, **long)  # bonus + drafts to verify next
+        self.seq_lens = torch.zeros(num_rows, **long)
+        self.tables = torch.full((num_rows, blocks_per_seq), -1, **long)
+        self.active = torch.zeros(num_rows, dtype=torch.bool, device=device)
+        self.do_sample = torch.zeros(num_rows, dtype=torch.bool, device=device)
+        self.temperature = torch.ones(num_rows, device=device)
+        self.top_k = torch.zeros(num_rows, **long)
+        self.top_p = torch.ones(num_rows, device=device)
+        self.state_slots = torch.zeros(num_rows, **long)  # each row's slot in the recurrent-state pools
+        self.draft_probs: torch.Tensor | None = None  # [num_rows, K, V], allocated when a row samples
+        self.warm: set[tuple] = set()  # step keys (batch bucket, context pages, sampled) already run
+
+    _BUFFERS = ("block", "seq_lens", "tables", "active", "do_sample", "temperature", "top_k", "top_p", "state_slots",
+                "draft_probs")
+
+    @property
+    def capacity(self) -> int:
+        return self.block.shape[0]
+
+    def grow(self, num_rows: int) -> None:
+        """At least ``num_rows`` rows; new rows are free."""
+        for name in self._BUFFERS:
+            old = getattr(self, name)
+            if old is None:
+                continue
+            fill = -1 if name == "tables" else (1 if name in ("temperature", "top_p") else 0)
+            new = torch.full((num_rows, *old.shape[1:]), fill, dtype=old.dtype, device=old.device)
+            new[: old.shape[0]] = old
+            setattr(self, name, new)
+
+    def clear_row(self, i: int) -> None:
+        self.block[i] = 0
+        self.seq_lens[i] = 0
+        self.tables[i] = -1
+        self.active[i] = False
+        self.do_sample[i] = False
+
+    def remove(self, i: int) -> None:
+        """Drop row ``i``: the last row moves into it."""
+        last = len(self.rows) - 1
+        if i != last:
+            for name in self._BUFFERS:
+                buf = getattr(self, name)
+                if buf is not None:
+                    buf[i] = buf[last]
+            self.rows[i] = self.rows[last]
+        self.rows.pop()
+        self.clear_row(last)
+
+
+class Scheduler:
+    """Admission, buckets, emission and per-step sampling inputs for one ``DFlashSpecWrapper`` (see the module
+    docstring for the threading model)."""
+
+    def __init__(self, spec):
+        self.spec = spec
+        self._lock = threading.Lock()
+        self._waiting: deque[_Request] = deque()
+        self._driver: threading.Thread | None = None
+        self._ids = itertools.count()
+        self.batch: _Batch | None = None
+        self.cache = None
+
+    # ------------------------------------------------------------------ any thread
+    def submit(self, prompt: list[int], args: GenerationArgs, generator: torch.Generator | None = None) -> RequestHandle:
+        """Queue one validated request; it joins the running batch at the next step."""
+        request = _Request(next(self._ids), list(prompt), args, generator)
+        handle = RequestHandle(request)
+        with self._lock:
+            self._waiting.append(request)
+            if self._driver is None:
+                self._driver = threading.Thread(target=self._drive, name="dflash-scheduler")  # exit waits for it
+                self._driver.start()
+        return handle
+
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._waiting) + (len(self.batch.rows) if self.batch is not None else 0)
+
+    def idle(self) -> bool:
+        with self._lock:
+            return self._driver is None
+
+    def prefill_batch(self, prompts: list[list[int]], args: GenerationArgs) -> tuple[int, tuple]:
+        """Admit ``prompts`` together on the calling thread, without running any step, and return ``(bucket, the
+        step's inputs)`` exactly as the driver would build them (for benchmarks and tests; nothing may be in
+        flight)."""
+        if self.in_flight():
+            raise RuntimeError("prefill_batch needs an idle scheduler")
+        new = []
+        for p in prompts:
+            r = _Request(next(self._ids), list(p), args)
+            RequestHandle(r)
+            new.append(r)
+        with torch.no_grad():
+            self._admit(new)
+        return self._step_inputs()
+
+    # ------------------------------------------------------------------ the driver thread
+    def _drive(self) -> None:
+        try:
+            with torch.no_grad(), self._dynamo_settings():
+                while True:
+                    with self._lock:
+                        running = self.batch.rows if self.batch is not None else []
+                        free = self.spec.max_batch_size - len(running)
+                        incoming = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
+                        if not incoming and not running:
+                            self._driver = None
+                            self.batch = None
+                            return
+                    self._drop_cancelled(incoming)
+                    incoming = [r for r in incoming if r.finish_reason is None]
+                    if incoming:
+                        try:
+                            self._admit(incoming)
+                        except Exception as error:  # e.g. pools that do not fit: the joining requests fail
+                            self._fail_admission(incoming, error)
+                    if self.batch is not None and self.batch.rows:
+                        self._step()
+        except BaseException as error:  # not one request's fault: every request in flight fails with it
+            with self._lock:
+                failed = list(self._waiting) + (self.batch.rows if self.batch is not None else [])
+                self._waiting.clear()
+                self.batch = None
+                self._driver = None
+            for r in failed:
+                if not r.handle.done():
+                    r.error = error
+                    self._finish(r)
+
+    def _fail_admission(self, new: list[_Request], error: Exception) -> None:
+        """``new`` could not join: they fail with ``error``; the running rows go on."""
+        batch = self.batch
+        if batch is not None:
+            for i in range(len(batch.rows) - 1, -1, -1):
+                if batch.rows[i] in new:
+                    batch.remove(i)
+        for r in new:
+            if not r.handle.done():
+                r.error = error
+                self._finish(r)
+
+    def _dynamo_settings(self):
+        # Each (batch bucket, context bucket, sampled) key is one static graph, and every wrapper shares forward's
+        # code object, hence one dynamo cache: lift the per-code-object limit to dynamo's overall one.
+        if self.spec._compiled_call_impl is None:
+            return contextlib.nullcontext()
+        cfg = torch._dynamo.config
+        return cfg.patch(recompile_limit=max(cfg.recompile_limit, cfg.accumulated_recompile_limit),
+                         automatic_dynamic_shapes=False)
+
+    def _release(self, r: _Request) -> None:
+        if self.cache is not None:
+            self.cache.free(r.index)
+
+    def _finish(self, r: _Request) -> None:
+        """``r`` is done (finished, failed or cancelled): free its blocks, end its streamer, wake its caller."""
+        self._release(r)
+        if r.args.streamer is not None:
+            try:
+                r.args.streamer.end()
+            except Exception as e:  # the caller's streamer: its request fails, nobody else
+                r.error = r.error or e
+        r.handle._finish()
+
+    def _drop_cancelled(self, incoming: list[_Request]) -> None:
+        for r in incoming:
+            if r.cancelled:
+                r.finish_reason = "cancelled"
+                r.handle._finish()
+        batch = self.batch
+        if batch is not None:
+            for i in range(len(batch.rows) - 1, -1, -1):
+                r = batch.rows[i]
+                if r.cancelled:
+                    r.finish_reason = "cancelled"
+                    batch.remove(i)
+                    self._finish(r)
+
+    def _pools(self, incoming: list[_Request]):
+        """The pools, with room for every request in flight (at capacity when compiled)."""
+        spec = self.spec
+        if spec._compiled_call_impl is not None:
+            return spec.kv_cache()
+        live = (self.batch.rows if self.batch is not None else []) + incoming
+        need = sum(-(-min(spec.max_seq_len, len(r.prompt) + r.args.max_new_tokens + spec.verify_len) // spec.page_size)
+                   for r in live)
+        return spec.kv_cache(need)
+
+    def _admit(self, new: list[_Request]) -> None:
+        """Prefill ``new`` requests together into free rows; those that finish at once (a prompt at capacity, an
+        eos first token, ``max_new_tokens == 1``) leave again."""
+        spec = self.spec
+        for r in new:
+            if len(r.prompt) >= spec.max_seq_len:
+                r.finish_reason = "length"
+                self._finish(r)
+        new = [r for r in new if r.finish_reason is None]
+        if not new:
+            return
+        self.cache = cache = self._pools(new)
+        device = cache.device
+        K = spec.num_speculative_tokens
+        if self.batch is None:
+            self.batch = _Batch(spec.batch_bucket(len(new)), K + 1, cache.blocks_per_seq, device)
+        batch = self.batch
+        if batch.tables.shape[1] != cache.blocks_per_seq:
+            raise RuntimeError("the pools' pages per request changed under a running batch")
+        if batch.capacity < len(batch.rows) + len(new):
+            batch.grow(spec.batch_bucket(len(batch.rows) + len(new)))
+        first = len(batch.rows)
+        batch.rows.extend(new)
+        for j, r in enumerate(new):
+            i = first + j
+            r.seq_len = len(r.prompt)
+            self._grow(i, r, r.seq_len)
+            batch.seq_lens[i] = r.seq_len
+            batch.active[i] = True
+            batch.state_slots[i] = cache.state_slot(r.index)
+            a = r.args
+            batch.do_sample[i], batch.temperature[i], batch.top_k[i], batch.top_p[i] = (
+                a.do_sample, a.temperature, a.top_k, a.top_p)
+        rows = slice(first, first + len(new))
+        L = max(len(r.prompt) for r in new)
+        ids = torch.tensor([[0] * (L - len(r.prompt)) + r.prompt for r in new], device=device)
+        lens = batch.seq_lens[rows]
+        pages = spec.context_bucket(L)
+        sampling = None
+        if any(r.args.do_sample for r in new):
+            if batch.draft_probs is None:
+                batch.draft_probs = torch.zeros(batch.capacity, K, spec.draft.config.vocab_size, device=device)
+            u = self._uniforms(new, len(new), prefill=True).to(device)
+            sampling = spec.sampling_inputs(
+                batch.do_sample[rows], batch.temperature[rows], batch.top_k[rows], batch.top_p[rows],
+                batch.draft_probs[rows], torch.zeros(len(new), K, device=device), u[:, 0], u[:, 1:],
+            )
+        tables = batch.tables[rows, :pages]
+        state_slots = batch.state_slots[rows] if cache.has_states else None
+        block, probs = spec.prefill(ids, lens, tables, cache.target_pools, cache.draft_pool, sampling, state_slots)
+        batch.block[rows] = block
+        if probs is not None:
+            batch.draft_probs[rows] = probs
+        first_tokens = block[:, 0].tolist()
+        for i in range(first + len(new) - 1, first - 1, -1):
+            r = batch.rows[i]
+            if self._emit(r, first_tokens[i - first]):
+                batch.remove(i)
+                self._finish(r)
+
+    def _step(self) -> None:
+        """One speculative step of the running rows: one call of ``forward``, one host read."""
+        spec, batch, cache = self.spec, self.batch, self.cache
+        K, rows = spec.num_speculative_tokens, batch.rows
+        bucket, step_inputs = self._step_inputs()
+        sampled = any(r.args.do_sample for r in rows)
+        sampling = (self._sampling(bucket),) if sampled else ()
+        states = {"state_slots": batch.state_slots[:bucket]} if cache.has_states else {}
+        if spec._compiled_call_impl is None:
+            tokens, num_accepted, next_block, next_probs = spec(*step_inputs, *sampling, **states)
+        else:
+            # A key that already ran in this driver session has its compiled graph in dynamo's cache: only the
+            # guards that tell the cached graphs apart need to run (one graph per key, told apart by input shapes).
+            key = (bucket, step_inputs[2].shape[1], sampled)
+            with _COMPILED_STEPS, (torch.compiler.set_stance(skip_guard_eval_unsafe=True) if key in batch.warm
+                                   else contextlib.nullcontext()):
+                tokens, num_accepted, next_block, next_probs = spec(*step_inputs, *sampling, **states)
+            batch.warm.add(key)
+        drafts = any(r.args.output_drafts for r in rows)
+        verified = batch.block[:bucket, 1:].tolist() if drafts else None  # before it is overwritten
+        batch.block[:bucket] = next_block
+        batch.seq_lens[:bucket] += num_accepted + batch.active[:bucket]
+        if next_probs is not None:
+            batch.draft_probs[:bucket] = next_probs
+        tokens = tokens.tolist()  # the step's one host read
+        for i in range(len(rows) - 1, -1, -1):  # backwards: a finished row is replaced by the last one
+            r, row = rows[i], tokens[i]
+            a = row.index(-1) - 1 if -1 in row else K
+            r.stats.record(K, a)
+            if verified is not None:
+                r.drafts.append(verified[i])
+            r.seq_len += a + 1
+            for t in row[: a + 1]:
+                if self._emit(r, t):
+                    break
+            if r.finish_reason is not None or r.error is not None:
+                batch.remove(i)
+                self._finish(r)
+
+    def _step_inputs(self) -> tuple[int, tuple]:
+        """``(bucket, forward's inputs)`` for the running rows: the smallest batch bucket that holds them and the
+        smallest context bucket that holds every row's next verify block (KV blocks allocated as needed)."""
+        spec, batch, cache = self.spec, self.batch, self.cache
+        bucket = spec.batch_bucket(len(batch.rows))
+        longest = 0
+        for i, r in enumerate(batch.rows):
+            longest = max(longest, r.seq_len + spec.verify_len)
+            self._grow(i, r, r.seq_len + spec.verify_len)
+        pages = spec.context_bucket(longest)
+        return bucket, (batch.block[:bucket], batch.seq_lens[:bucket], batch.tables[:bucket, :pages],
+                        batch.active[:bucket], cache.target_pools, cache.draft_pool)
+
+    def _grow(self, i: int, r: _Request, num_tokens: int) -> None:
+        """Allocate KV blocks so row ``i`` (request ``r``) covers ``num_tokens`` positions (capped at capacity)."""
+        spec, batch, cache = self.spec, self.batch, self.cache
+        if r.pages * spec.page_size < min(num_tokens, spec.max_seq_len):
+            cache.ensure(r.index, num_tokens)
+            owned = cache.blocks(r.index)
+            batch.tables[i, r.pages : len(owned)] = torch.tensor(owned[r.pages :], dtype=torch.long)
+            r.pages = len(owned)
+
+    def _uniforms(self, rows: list[_Request], num_rows: int, prefill: bool) -> torch.Tensor:
+        """This step's uniforms ``[num_rows, draws]``, drawn on the host from each request's generator in a fixed
+        order (``[u_accept (K), u_bonus, u_draft (K)]``; no ``u_accept`` at prefill); zeros for other rows."""
+        K = self.spec.num_speculative_tokens
+        draws = 1 + K if prefill else 1 + 2 * K
+        u = torch.zeros(num_rows, draws)
+        for i, r in enumerate(rows):
+            if r.generator is not None and r.args.do_sample:
+                u[i] = torch.rand(draws, generator=r.generator)
+        return u
+
+    def _sampling(self, bucket: int):
+        """The step's ``SamplingInputs`` for the first ``bucket`` rows."""
+        batch, K = self.batch, self.spec.num_speculative_tokens
+        u = self._uniforms(batch.rows, bucket, prefill=False).to(batch.block.device)
+        return self.spec.sampling_inputs(
+            batch.do_sample[:bucket], batch.temperature[:bucket], batch.top_k[:bucket], batch.top_p[:bucket],
+            batch.draft_probs[:bucket], u[:, :K], u[:, K], u[:, K + 1:],
+        )
+
+    def _emit(self, r: _Request, token: int) -> bool:
+        """Append ``token`` to ``r`` and hand it out; True when ``r`` is finished: an eos token or a stop string
+        (``"stop"``), ``max_new_tokens`` or capacity (``"length"``), or its streamer raised (``r.error``)."""
+        args, max_seq_len = r.args, self.spec.max_seq_len
+        r.new.append(token)
+        r.handle._put(token)
+        if args.streamer is not None:
+            try:
+                args.streamer.put(torch.tensor([token]))
+            except Exception as e:  # the caller's streamer: this request fails, nobody else
+                r.error = e
+                return True
+        if token in args.eos_token_ids:
+            r.finish_reason = "stop"
+        elif args.stop_strings and ends_with_stop_string(args.tokenizer, r.new, args.stop_strings):
+            r.finish_reason = "stop"
+        elif len(r.new) >= args.max_new_tokens or len(r.prompt) + len(r.new) >= max_seq_len:
+            r.finish_reason = "length"
+        return r.finish_reason is not None
+
+
+def ends_with_stop_string(tokenizer, tokens: list[int], stop_strings: tuple[str, ...]) -> bool:
+    """Whether the text of ``tokens`` has a stop string that its last token completes.
+
+    Every earlier token was checked when it came, so only a tail window is decoded (never the whole generation):
+    enough tokens that the text before the last token's own has the longest stop string's length plus 3 characters
+    (slack for a UTF-8 character split at the window's edge), doubling the window while tokens decode to less."""
+    longest = max(map(len, stop_strings))
+    last = len(tokenizer.decode(tokens[-1:]))
+    n = longest
+    while True:
+        text = tokenizer.decode(tokens[-n:])
+        if n >= len(tokens) or len(text) - last >= longest + 3:
+            return any(s in text for s in stop_strings)
+        n *= 2
+
+
+def request_generators(n: int, seed, generator) -> list[torch.Generator]:
+    """One CPU ``torch.Generator`` per request, from ``seed`` / ``generator`` (or torch's global RNG)."""
+    if seed is not None and generator is not None:
+        raise ValueError("give seed or generator, not both")
+    if isinstance(generator, (list, tuple)):
+        if len(generator) != n:
+            raise ValueError(f"{len(generator)} generators for {n} prompts")
+        return list(generator)
+    if isinstance(seed, (list, tuple)):
+        if len(seed) != n:
+            raise ValueError(f"{len(seed)} seeds for {n} prompts")
+        seeds = [int(x) for x in seed]
+    else:
+        source = generator if generator is not None else (
+            torch.Generator().manual_seed(int(seed)) if seed is not None else None
+        )
+        seeds = torch.randint(0, 2**62, (n,), generator=source).tolist()
+    return [torch.Generator().manual_seed(x) for x in seeds]

@@ -1,0 +1,248 @@
+"""One wrapper, many callers: concurrent generate() calls share one continuous batch and each gets exactly its solo
+output; the request API (submit / iterate / result / cancel); verifying fewer drafts than the drafter proposes
+(num_speculative_tokens); vLLM's speculative_config."""
+
+import threading
+import time
+from concurrent.futures import CancelledError
+
+import pytest
+import torch
+
+from dflash_compile import DFlashDraftModel, DFlashSpecWrapper
+from oracle_draft import check_drafting, oracle_pair
+from tiny_models import VOCAB, tiny_target
+
+PAD = VOCAB - 2
+NEW = 12
+
+
+def _prompts(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB - 2, (n,), generator=g).tolist() for n in lengths]
+
+
+def _pair(**kw):
+    target = tiny_target("qwen3")
+    draft = DFlashDraftModel.from_target(target, num_layers=2, block_size=4, target_layer_ids=[1, 3], seed=0)
+    return target, DFlashSpecWrapper(target, draft, **{**dict(max_batch_size=3, max_seq_len=64, page_size=8), **kw})
+
+
+def _wait_idle(spec, timeout=30.0):
+    end = time.monotonic() + timeout
+    while not spec.scheduler.idle():
+        assert time.monotonic() < end, "the scheduler did not go idle"
+        time.sleep(0.01)
+
+
+def _all_free(spec):
+    cache = spec.kv_cache()
+    return cache.num_free_blocks == cache.num_blocks and cache.num_free_state_slots == (
+        spec.max_batch_size if cache.has_states else 0)
+
+
+def _calls():
+    """Eight callers: greedy and seeded sampling mixed, different lengths and limits."""
+    prompts = _prompts([3, 9, 17, 5, 12, 7, 20, 4])
+    calls = []
+    for i, p in enumerate(prompts):
+        kw = dict(max_new_tokens=NEW - i % 3)
+        if i % 2:
+            kw.update(do_sample=True, temperature=0.8, top_k=20, seed=100 + i)
+        calls.append((p, kw))
+    return calls
+
+
+def _in_threads(fn, n):
+    results, errors = [None] * n, [None] * n
+
+    def run(i):
+        try:
+            results[i] = fn(i)
+        except BaseException as e:  # noqa: BLE001 - reported to the test
+            errors[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not any(t.is_alive() for t in threads)
+    return results, errors
+
+
+def test_concurrent_callers_get_their_solo_outputs_twice():
+    target, spec = _pair()
+    calls = _calls()
+    solo = [spec.generate([p], **kw)[0, len(p):].tolist() for p, kw in calls]
+    for i in (0, 2, 4):  # greedy solo is the target's own greedy output
+        p, kw = calls[i]
+        assert solo[i] == target.generate(torch.tensor([p]), do_sample=False, **kw)[0, len(p):].tolist()
+    for _ in range(2):  # more callers (8) than rows (3): they queue, join as rows free up, and share steps
+        results, errors = _in_threads(lambda i: spec.generate([calls[i][0]], **calls[i][1])[0].tolist(), len(calls))
+        assert errors == [None] * len(calls)
+        assert [r[len(p):] for r, (p, _) in zip(results, calls)] == solo
+        _wait_idle(spec)
+        assert _all_free(spec)
+
+
+def test_batched_call_and_single_calls_from_threads_mix():
+    _, spec = _pair(max_batch_size=4)
+    prompts = _prompts([6, 11, 3, 15])
+    solo = [spec.generate([p], max_new_tokens=NEW)[0, len(p):].tolist() for p in prompts]
+    batch_out = {}
+
+    def batched():
+        out = spec.generate(prompts[:2], max_new_tokens=NEW, pad_token_id=PAD, return_dict_in_generate=True)
+        batch_out["rows"] = [out.sequences[i, out.prompt_width:].tolist() for i in range(2)]
+
+    t = threading.Thread(target=batched)
+    t.start()
+    singles = [spec.generate([p], max_new_tokens=NEW)[0, len(p):].tolist() for p in prompts[2:]]
+    t.join(timeout=300)
+    assert batch_out["rows"] == solo[:2] and singles == solo[2:]
+
+
+class _Collect:
+    def __init__(self, fail_after=None):
+        self.tokens, self.ended, self.fail_after = [], False, fail_after
+
+    def put(self, value):
+        if self.fail_after is not None and len(self.tokens) >= self.fail_after:
+            raise RuntimeError("the streamer's client went away")
+        self.tokens.extend(value.flatten().tolist())
+
+    def end(self):
+        self.ended = True
+
+
+def test_streamers_see_only_their_own_tokens_and_a_failing_one_fails_alone():
+    _, spec = _pair()
+    prompts = _prompts([4, 10, 7, 13])
+    solo = [spec.generate([p], max_new_tokens=NEW)[0, len(p):].tolist() for p in prompts]
+    streamers = [_Collect(), _Collect(fail_after=len(prompts[1]) + 3), _Collect(), _Collect()]
+    results, errors = _in_threads(
+        lambda i: spec.generate([prompts[i]], max_new_tokens=NEW, streamer=streamers[i])[0, len(prompts[i]):].tolist(),
+        4,
+    )
+    assert isinstance(errors[1], RuntimeError) and "went away" in str(errors[1])
+    for i in (0, 2, 3):
+        assert errors[i] is None and results[i] == solo[i]
+        assert streamers[i].tokens == prompts[i] + solo[i] and streamers[i].ended  # the prompt, then its own tokens
+    _wait_idle(spec)
+    assert _all_free(spec)
+
+
+def test_a_bad_argument_fails_its_caller_before_any_work():
+    _, spec = _pair()
+    prompts = _prompts([5, 8])
+    solo = spec.generate([prompts[0]], max_new_tokens=NEW)[0].tolist()
+
+    def call(i):
+        if i == 1:
+            return spec.generate([prompts[1]], max_new_tokens=NEW, do_sample=True, temperature=-1.0)
+        return spec.generate([prompts[0]], max_new_tokens=NEW)[0].tolist()
+
+    results, errors = _in_threads(call, 2)
+    assert isinstance(errors[1], ValueError) and results[0] == solo
+
+
+def test_submit_iterates_tokens_as_accepted_and_cancel_frees_blocks():
+    target, spec = _pair()
+    p = _prompts([6])[0]
+    handle = spec.submit(p, max_new_tokens=NEW)
+    streamed = list(handle)
+    result = handle.result()
+    assert streamed == result.tokens == target.generate(torch.tensor([p]), do_sample=False,
+                                                         max_new_tokens=NEW)[0, len(p):].tolist()
+    assert result.finish_reason == "length" and result.stats.num_drafts > 0
+
+    long = spec.submit(p, max_new_tokens=60)
+    short = spec.submit(_prompts([9], seed=1)[0], max_new_tokens=NEW)
+    it = iter(long)
+    first = [next(it) for _ in range(3)]  # it is running
+    long.cancel()
+    with pytest.raises(CancelledError):
+        long.result(timeout=60)
+    assert len(first) == 3 and len(short.result(timeout=60).tokens) == NEW  # the other request is unaffected
+    _wait_idle(spec)
+    assert _all_free(spec)
+    with pytest.raises(ValueError, match="one prompt"):
+        spec.submit([[1, 2], [3, 4]], max_new_tokens=2)
+    spec.close()
+
+
+def test_close_refuses_while_requests_run():
+    _, spec = _pair()
+    handle = spec.submit(_prompts([5])[0], max_new_tokens=60)
+    next(iter(handle))
+    if not handle.done():
+        with pytest.raises(RuntimeError, match="still running"):
+            spec.close()
+    handle.cancel()
+    with pytest.raises(CancelledError):
+        handle.result(timeout=60)
+    _wait_idle(spec)
+    spec.close()
+
+
+# ------------------------------------------------------------------ num_speculative_tokens < block_size - 1
+@pytest.mark.parametrize("K", [1, 2])
+def test_fewer_verified_drafts_are_lossless_and_counted(K):
+    target = tiny_target("qwen3")
+    prompts = _prompts([5, 14, 9])
+    draft, fulls = oracle_pair(target, prompts, NEW, 64, num_layers=2, block_size=4, target_layer_ids=[1, 3], seed=0)
+    spec = DFlashSpecWrapper(target, draft, K, max_batch_size=4, max_seq_len=64, page_size=8)
+    out = spec.generate(prompts, max_new_tokens=NEW, pad_token_id=PAD, return_dict_in_generate=True,
+                        output_drafts=True)
+    refs = [f[len(p):len(p) + NEW] for p, f in zip(prompts, fulls)]
+    assert [out.sequences[i, out.prompt_width:].tolist() for i in range(3)] == refs
+    assert all(len(d) == K for row in out.drafts for d in row)  # only the first K drafts are verified
+    assert len(out.num_accepted_tokens_per_pos) == K and out.num_draft_tokens == K * out.num_drafts
+    accepted, forced = check_drafting(draft, prompts, fulls, out)
+    assert 0 < accepted <= K * out.num_drafts and forced > 0
+    spec.compile(backend="dflash", fullgraph=True)
+    torch._dynamo.reset()
+    again = spec.generate(prompts, max_new_tokens=NEW, pad_token_id=PAD, return_dict_in_generate=True,
+                          output_drafts=True)
+    assert torch.equal(again.sequences, out.sequences) and again.drafts == out.drafts
+
+
+def test_num_speculative_tokens_bounds():
+    target = tiny_target("qwen3")
+    draft = DFlashDraftModel.from_target(target, num_layers=1, block_size=4)
+    for bad in (0, 4, -1, 1.5, True):
+        with pytest.raises(ValueError, match="1 <= num_speculative_tokens <= 3"):
+            DFlashSpecWrapper(target, draft, bad)
+    assert DFlashSpecWrapper(target, draft).num_speculative_tokens == 3
+
+
+# ------------------------------------------------------------------ vLLM's speculative_config
+def test_from_speculative_config(tmp_path):
+    target = tiny_target("qwen3")
+    draft = DFlashDraftModel.from_target(target, num_layers=2, block_size=4, target_layer_ids=[1, 3], seed=0)
+    draft.save_pretrained(tmp_path / "drafter")
+    model = str(tmp_path / "drafter")
+    spec = DFlashSpecWrapper.from_speculative_config(
+        target, {"method": "dflash", "model": model, "num_speculative_tokens": 2}, max_batch_size=2)
+    assert spec.num_speculative_tokens == 2 and spec.verify_len == 3
+    p = _prompts([7])[0]
+    assert spec.generate([p], max_new_tokens=NEW)[0, 7:].tolist() == target.generate(
+        torch.tensor([p]), do_sample=False, max_new_tokens=NEW)[0, 7:].tolist()
+    as_json = DFlashSpecWrapper.from_speculative_config(target, f'{{"method": "dflash", "model": "{model}"}}')
+    assert as_json.num_speculative_tokens == 3  # block_size - 1 by default
+    assert DFlashSpecWrapper.from_speculative_config(
+        target, {"method": "dflash", "model": model, "max_model_len": 48}).max_seq_len == 48
+    with pytest.raises(ValueError, match="method 'eagle3' is not supported"):
+        DFlashSpecWrapper.from_speculative_config(target, {"method": "eagle3", "model": model})
+    with pytest.raises(ValueError, match="not a drafter directory"):
+        DFlashSpecWrapper.from_speculative_config(target, {"method": "dflash", "model": str(tmp_path / "nope")})
+    with pytest.raises(ValueError, match="not a drafter directory"):
+        DFlashSpecWrapper.from_speculative_config(target, {"method": "dflash"})
+    for k in (0, 4):
+        with pytest.raises(ValueError, match="1 <= num_speculative_tokens <= 3"):
+            DFlashSpecWrapper.from_speculative_config(
+                target, {"method": "dflash", "model": model, "num_speculative_tokens": k})
+    with pytest.raises(ValueError, match=r"keys \['draft_tensor_parallel_size'\] are not supported"):
+        DFlashSpecWrapper.from_speculative_config(
+            target, {"method": "dflash", "model": model, "draft_tensor_parallel_size": 1})
