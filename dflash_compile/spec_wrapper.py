@@ -13,7 +13,6 @@ import dataclasses
 import functools
 import inspect
 import numbers
-import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -220,7 +219,7 @@ class DFlashSpecWrapper(nn.Module):
         self.target = target
         self.draft = draft.bind_target(target)
         self.aux = AuxHiddenStates(target, draft.dflash_config.target_layer_ids, enabled=False)
-        self._remove_hooks = weakref.finalize(self, self.aux.remove)  # at close(), or when the wrapper goes
+        self._closed = False
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len or min(tcfg.max_position_embeddings, 2048)
         if self.max_seq_len < 2:
@@ -244,11 +243,11 @@ class DFlashSpecWrapper(nn.Module):
         return self.draft.block_size
 
     def close(self) -> None:
-        """Remove this wrapper's forward hooks from the target and drop its KV pools (idempotent; also done when
-        the wrapper is garbage-collected). ``generate`` afterwards is an error. ``with DFlashSpecWrapper(...) as
-        spec:`` closes on exit."""
-        self._remove_hooks()
+        """Remove this wrapper's forward hooks from the target and drop its KV pools (idempotent). ``generate``
+        afterwards is an error. ``with DFlashSpecWrapper(...) as spec:`` closes on exit."""
+        self.aux.remove()
         self._cache = None
+        self._closed = True
 
     def __enter__(self) -> "DFlashSpecWrapper":
         return self
@@ -471,7 +470,7 @@ class DFlashSpecWrapper(nn.Module):
         batch, or one per request) or ``generator`` (one ``torch.Generator``, or one per request) seeds each
         request's own RNG; with neither, the seeds come from torch's global RNG (``torch.manual_seed``).
         """
-        if not self._remove_hooks.alive:
+        if self._closed:
             raise RuntimeError("this DFlashSpecWrapper is closed (its hooks on the target are removed): make a new one")
         device = next(self.target.parameters()).device
         pad_for_inference = pad_token_id
