@@ -13,7 +13,6 @@ import dataclasses
 import functools
 import inspect
 import numbers
-import weakref
 from typing import NamedTuple
 
 import torch
@@ -178,7 +177,7 @@ class DFlashSpecWrapper(nn.Module):
         self.target = target
         self.draft = draft.bind_target(target)
         self.aux = AuxHiddenStates(target, draft.dflash_config.target_layer_ids, enabled=False)
-        self._remove_hooks = weakref.finalize(self, self.aux.remove)  # at close(), or when the wrapper goes
+        self._closed = False
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len or min(tcfg.max_position_embeddings, 2048)
         if self.max_seq_len < 2:
@@ -195,7 +194,7 @@ class DFlashSpecWrapper(nn.Module):
         self._mask_kinds, self._window = _target_layer_kinds(tcfg)
         self._logits_to_keep = "logits_to_keep" in inspect.signature(target.forward).parameters
         self._cache: PagedKVCache | None = None
-        self._unstep = None  # undoes the token stepping of recurrent mixers (installed with the pools)
+        self._stepping = False  # recurrent mixers run token by token (installed with the pools; close() undoes)
         self._layout = None  # ((device, dtype), what each target layer caches: kv_cache.probe_layout)
         self.max_cache_bytes = max_cache_bytes
         self.num_speculative_tokens = num_speculative_tokens or self.block_size - 1
@@ -245,15 +244,17 @@ class DFlashSpecWrapper(nn.Module):
         return next(b for b in self.batch_buckets if b >= rows)
 
     def close(self) -> None:
-        """Remove this wrapper's forward hooks (and token stepping) from the target and drop its KV pools (idempotent;
-        also done when the wrapper is garbage-collected). ``generate`` afterwards is an error; so is closing while
-        requests are in flight. ``with DFlashSpecWrapper(...) as spec:`` closes on exit."""
+        """Remove this wrapper's forward hooks (and token stepping) from the target and drop its KV pools
+        (idempotent). ``generate`` afterwards is an error; so is closing while requests are in flight. ``with
+        DFlashSpecWrapper(...) as spec:`` closes on exit. Not done at garbage collection: that can land while dynamo
+        traces another wrapper's step on the same target."""
         if self.scheduler.in_flight():
             raise RuntimeError("requests are still running on this wrapper: cancel or wait for them before close()")
-        self._remove_hooks()
-        if self._unstep is not None:
-            self._unstep()
+        self.aux.remove()
+        if self._stepping and not self._closed:
+            unstep(self.target)
         self._cache = None
+        self._closed = True
 
     def __enter__(self) -> "DFlashSpecWrapper":
         return self
@@ -436,9 +437,9 @@ class DFlashSpecWrapper(nn.Module):
         if self._layout is None or self._layout[0] != (p.device, p.dtype):  # what each target layer caches
             self._layout = ((p.device, p.dtype), probe_layout(self.target))
         layout = self._layout[1]
-        if self._unstep is None:  # recurrent mixers run token by token in verify (recurrent.py)
+        if not self._stepping:  # recurrent mixers run token by token in verify (recurrent.py)
             step_by_token(self.target, layout)
-            self._unstep = weakref.finalize(self, unstep, self.target)  # at close(), or when the wrapper goes
+            self._stepping = True
         dcfg = self.draft.config
         pools = functools.partial(
             PagedKVCache,
@@ -554,7 +555,7 @@ class DFlashSpecWrapper(nn.Module):
                   single=False):
         """Validate a call's arguments (before any model work) -> (prompts, the left-padded prefix, its
         ``GenerationArgs``, one generator per prompt or None)."""
-        if not self._remove_hooks.alive:
+        if self._closed:
             raise RuntimeError("this DFlashSpecWrapper is closed (its hooks on the target are removed): make a new one")
         pad_for_inference = kwargs.get("pad_token_id")
         if pad_for_inference is None:
