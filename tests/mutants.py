@@ -203,8 +203,10 @@ def main(argv=None) -> int:
         status = "yes" if rc == 1 else ("NO" if rc == 0 else f"ERROR (pytest exit {rc})")
         rows.append((m, status, f"{len(failed)}/{len(m.tests)} failed", time.monotonic() - t0))
         print(f"{m.name}: killed {status} ({rows[-1][2]}, {rows[-1][3]:.0f} s)", flush=True)
-        if status != "yes":
-            print("\n".join(out.splitlines()[-25:]))
+        # Why: pytest's summary lines (a kill for the wrong reason, e.g. an import error, shows here), or the tail.
+        why = re.findall(r"^(?:FAILED|ERROR) .*$", out, re.M)
+        print("\n".join(f"    {line[:200]}" for line in why[:4]) if status == "yes" and why else
+              "\n".join(out.splitlines()[-25:]), flush=True)
         shutil.rmtree(tree)
     w = max(len(m.name) for m in chosen)
     print(f"\n{'mutation':<{w}}  killed  tests (failed/run)  seconds  tests run")
