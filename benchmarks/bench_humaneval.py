@@ -23,6 +23,8 @@ Methods (``--methods``, default all):
 
 - ``dflash_eager`` / ``dflash_compiled``: ``DFlashSpecWrapper``, eager and ``compile(backend="dflash",
   fullgraph=True)``.
+- ``dflash_compiled_k{K}`` for each ``K`` in ``--ks`` (e.g. ``--ks 1,3,5``): compiled, verifying only the first
+  ``K`` of the drafter's ``block_size - 1`` drafts per step (``num_speculative_tokens=K``, vLLM's knob).
 
 Batch size ``b`` runs the first ``--num-prompts`` HumanEval prompts in left-padded groups of ``b`` (the last
 group may be smaller); tokens/s = all new tokens (up to and including eos) / all time. HF's speculative
@@ -272,6 +274,8 @@ def run(args) -> dict:
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:
         raise SystemExit(f"unknown methods {unknown}; choose from {list(METHODS)}")
+    ks = sorted({int(k) for k in args.ks.split(",") if k.strip()})
+    methods += tuple(f"dflash_compiled_k{k}" for k in ks)
     batch_sizes = sorted({int(b) for b in args.batch_sizes.split(",")})
 
     tok = AutoTokenizer.from_pretrained(target_dir)
@@ -308,6 +312,9 @@ def run(args) -> dict:
     if "dflash_compiled" in methods:
         specs["dflash_compiled"] = DFlashSpecWrapper(target, draft, max_batch_size=max_bs)
         specs["dflash_compiled"].compile(backend="dflash", fullgraph=True)
+    for k in ks:
+        specs[f"dflash_compiled_k{k}"] = DFlashSpecWrapper(target, draft, k, max_batch_size=max_bs)
+        specs[f"dflash_compiled_k{k}"].compile(backend="dflash", fullgraph=True)
 
     def hf(**extra):
         return lambda enc: (target.generate(**enc, **gen, **extra), None)
@@ -379,7 +386,7 @@ def run(args) -> dict:
         row = {"tok_s": new / seconds, "seconds": seconds, "times": run["times"], "new_tokens": new,
                "rows": len(rows), "identical_to_hf_greedy_bs1": sum(a == b for a, b in zip(rows, reference)),
                "warmup_s": run["warmup_s"]}
-        if name in ("hf_compiled", "dflash_compiled"):
+        if name == "hf_compiled" or name.startswith("dflash_compiled"):
             row["graphs_compiled_per_warmup_call"] = run["graphs_per_call"]
             row["graphs_compiled_while_timed"] = run["graphs_while_timed"]
         stats = [o for _, o in outs if o is not None]
@@ -509,6 +516,7 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--methods", default="all", help=f"comma list of {','.join(METHODS)} (default all)")
     p.add_argument("--batch-sizes", default="1,8")
+    p.add_argument("--ks", default="", help="also run compiled with num_speculative_tokens K, for each K (comma list)")
     p.add_argument("--lookup-tokens", type=int, default=10)
     p.add_argument("--assistant", default="build/assistant")
     p.add_argument("--no-phases", dest="phases", action="store_false", help="skip the per-phase profile")

@@ -52,7 +52,7 @@ def _load_pair(target_dir: str, draft_dir: str):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    draft = DFlashDraftModel.from_pretrained(draft_dir, dtype=torch.float32)
+    draft = DFlashDraftModel.from_pretrained(draft_dir, dtype=torch.float32) if draft_dir else None
     tok = AutoTokenizer.from_pretrained(target_dir)
     check_tokenizer(tok, target)
     return target, draft, tok
@@ -121,9 +121,12 @@ def main(argv=None) -> None:
     p.add_argument("--stream", action="store_true", help="print tokens as they are accepted (one prompt at a time)")
     p.add_argument("--batch-size", type=int, default=8, help="requests decoded together")
     p.add_argument("--block-size", type=int, default=8, help="block size of the random demo drafter")
+    p.add_argument("--speculative-config", default=None,
+                   help='vLLM-style JSON, e.g. \'{"method": "dflash", "model": DRAFTER_DIR, "num_speculative_tokens": 4}\' '
+                        "(the drafter comes from it; --draft is not needed)")
     args = p.parse_args(argv)
-    if bool(args.target) != bool(args.draft):
-        p.error("--target and --draft go together")
+    if bool(args.target) != bool(args.draft) and not (args.target and args.speculative_config):
+        p.error("--target and --draft go together (or --target with --speculative-config)")
     try:
         check_backend(args.backend)
     except ValueError as e:
@@ -149,7 +152,14 @@ def main(argv=None) -> None:
     sampling = dict(do_sample=args.temperature > 0)
     if args.temperature > 0:
         sampling.update(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-    spec = DFlashSpecWrapper(target, draft, max_batch_size=max(1, args.batch_size))
+    if args.speculative_config:
+        try:
+            spec = DFlashSpecWrapper.from_speculative_config(target, args.speculative_config,
+                                                             max_batch_size=max(1, args.batch_size))
+        except (ValueError, FileNotFoundError) as e:
+            p.error(f"--speculative-config: {e}")
+    else:
+        spec = DFlashSpecWrapper(target, draft, max_batch_size=max(1, args.batch_size))
     if args.backend != "eager":
         spec.compile(backend=args.backend, fullgraph=True)
     pad = target.generation_config.pad_token_id
@@ -189,7 +199,7 @@ def main(argv=None) -> None:
     print(f"\n{generated} new tokens in {elapsed:.2f}s ({generated / elapsed:.1f} tokens/s), "
           f"backend {args.backend}, {mode}")
     print(f"acceptance length {total.acceptance_length:.2f} over {total.num_drafts} drafts "
-          f"(block size {spec.block_size})")
+          f"(block size {spec.block_size}, {spec.num_speculative_tokens} drafts verified per step)")
     print("accepted per draft position:", total.num_accepted_tokens_per_pos)
 
 
