@@ -17,10 +17,9 @@ from torch._dynamo.utils import counters
 from dflash_compile import DFlashDraftModel, DFlashSpecWrapper
 from dflash_compile.kv_cache import TRASH_SLOT, ZERO_SLOT
 from dflash_compile.recurrent import unstep
-from dflash_compile.scheduler import Scheduler
 from oracle_draft import check_drafting, oracle_pair
 from test_batching import poisoning
-from test_sampling import PROMPT, TOP_K, V, T, _chi_square_p, _exact_law, one_thread  # noqa: F401
+from test_sampling import LAWS, N, V, _chi_square_p, _exact_law, _sampled_counts, one_thread  # noqa: F401
 from tiny_models import VOCAB, tiny_target
 
 ARCHS = ["qwen3_5", "qwen3_5_moe", "qwen3_next", "deepseek_v3", "gpt_oss", "mistral_sliding"]
@@ -120,20 +119,12 @@ def test_hybrid_compiles_to_one_graph_per_bucket():
     check_drafting(spec.draft, later, fulls[3:], again)
 
 
-class _StatePoisoner(Scheduler):
-    """Fills the recurrent-state slot of the request whose prompt is ``victim`` with NaN right after its prefill."""
-
-    victim: list[int] = []
-
-    def _admit(self, new):
-        super()._admit(new)
-        for r in new:
-            if r.prompt == self.victim and r in self.batch.rows:
-                slot = self.cache.state_slot(r.index)
-                for pool in self.cache.target_pools:
-                    if isinstance(pool, dict):
-                        for state in pool.values():
-                            state[slot] = float("nan")
+def _poison_state_slot(cache, request):
+    slot = cache.state_slot(request.index)
+    for pool in cache.target_pools:
+        if isinstance(pool, dict):
+            for state in pool.values():
+                state[slot] = float("nan")
 
 
 @pytest.mark.parametrize("max_batch_size", [4, 2], ids=["together", "queued_reuse"])
@@ -142,7 +133,7 @@ def test_poisoned_state_slot_does_not_leak(max_batch_size):
     prompts = _prompts([9, 21, 4, 16])
     kw = dict(max_new_tokens=NEW, pad_token_id=PAD, return_dict_in_generate=True, output_drafts=True)
     ref = _spec(target, "random", max_batch_size=max_batch_size)[0].generate(prompts, **kw)
-    poisoned = poisoning(_spec(target, "random", max_batch_size=max_batch_size)[0], _StatePoisoner, prompts[1])
+    poisoned = poisoning(_spec(target, "random", max_batch_size=max_batch_size)[0], prompts[1], _poison_state_slot)
     out = poisoned.generate(prompts, **kw)
     keep = [0, 2, 3]
     assert torch.equal(out.sequences[keep], ref.sequences[keep])
@@ -179,16 +170,12 @@ def test_hybrid_sampling_keeps_the_targets_law(one_thread):  # noqa: F811
     target = tiny_target(HYBRID, vocab_size=V)
     with torch.no_grad():
         target.get_output_embeddings().weight.mul_(8)  # a peaked next-token distribution
-    law = _exact_law(target)
-    n = 2000
-    draft = DFlashDraftModel.from_target(target, num_layers=2, block_size=4, target_layer_ids=[1, 3], seed=0)
-    spec = DFlashSpecWrapper(target, draft, max_batch_size=n, batch_buckets=(n,), max_seq_len=16)
-    out = spec.generate([PROMPT] * n, max_new_tokens=3, do_sample=True, temperature=T, top_k=TOP_K,
-                        seed=list(range(n)), pad_token_id=0, return_dict_in_generate=True)
-    new = out.sequences[:, len(PROMPT):]
-    counts = torch.zeros(V ** 3).index_add_(0, new[:, 0] * V * V + new[:, 1] * V + new[:, 2], torch.ones(n))
+    temperature, top_k, top_p, block_size = LAWS["top_k"]
+    law = _exact_law(target, temperature, top_k, top_p)
+    draft = DFlashDraftModel.from_target(target, num_layers=2, block_size=block_size, target_layer_ids=[1, 3], seed=0)
+    counts, out = _sampled_counts(target, draft, temperature, top_k, top_p)
     assert 0 < out.num_accepted_tokens < out.num_draft_tokens  # acceptance and rejection both exercised
-    assert _chi_square_p(counts, law * n) > 1e-3
+    assert _chi_square_p(counts, law * N) > 1e-3
 
 
 def test_token_stepping_is_owned_by_each_wrapper():

@@ -130,24 +130,32 @@ def test_writes_stay_in_own_blocks():
 
 
 class _Poisoner(Scheduler):
-    """Fills the KV blocks of the request whose prompt is ``victim`` with NaN right after its prefill."""
+    """Runs ``poison(cache, request)`` on the request whose prompt is ``victim``, right after its prefill."""
 
     victim: list[int] = []
+
+    def poison(self, cache, request):
+        raise NotImplementedError
 
     def _admit(self, new):
         super()._admit(new)
         for r in new:
             if r.prompt == self.victim and r in self.batch.rows:
-                slots = self.cache.slots_of(r.index)
-                for pool in self.cache.target_pools:
-                    pool[:, slots] = float("nan")
-                self.cache.draft_pool[:, :, slots] = float("nan")
+                self.poison(self.cache, r)
 
 
-def poisoning(spec, scheduler_cls, victim):
-    spec.scheduler = scheduler_cls(spec)
-    spec.scheduler.victim = victim
+def poisoning(spec, victim, poison):
+    """``spec`` with a scheduler that applies ``poison`` to ``victim``'s request after its prefill."""
+    spec.scheduler = _Poisoner(spec)
+    spec.scheduler.victim, spec.scheduler.poison = victim, poison
     return spec
+
+
+def _poison_kv_blocks(cache, request):
+    slots = cache.slots_of(request.index)
+    for pool in cache.target_pools:
+        pool[:, slots] = float("nan")
+    cache.draft_pool[:, :, slots] = float("nan")
 
 
 @pytest.mark.parametrize("max_batch_size", [8, 2], ids=["together", "queued_reuse"])
@@ -159,7 +167,7 @@ def test_poisoned_request_does_not_leak(max_batch_size):
     clean = DFlashSpecWrapper(target, draft, max_batch_size=max_batch_size, max_seq_len=64, page_size=4)
     ref = clean.generate(prompts, **kw)
     poisoned = poisoning(DFlashSpecWrapper(target, draft, max_batch_size=max_batch_size, max_seq_len=64, page_size=4),
-                         _Poisoner, prompts[1])
+                         prompts[1], _poison_kv_blocks)
     out = poisoned.generate(prompts, **kw)
     keep = [0, 2, 3]
     assert torch.equal(out.sequences[keep], ref.sequences[keep])
