@@ -308,8 +308,8 @@ def main(argv=None) -> int:
         tokens_seen += x.numel()
         losses.append(loss.item())
         tok_s = (step - first_step) * x.numel() / (time.time() - t_train)
+        bar.set_postfix(loss=f"{recent_loss():.3f}", tok_s=f"{tok_s:.0f}", lr=f"{lr_at(step - 1):.1e}", refresh=False)
         bar.update(1)
-        bar.set_postfix(loss=f"{recent_loss():.3f}", tok_s=f"{tok_s:.0f}", lr=f"{lr_at(step - 1):.1e}")
         stopped = None if step < args.steps else "steps"
         if args.stop_at is not None and step >= args.stop_at and step < args.steps:
             stopped = f"--stop-at {args.stop_at}"
