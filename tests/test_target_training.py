@@ -30,6 +30,7 @@ class _Meta(dict):
     ({"License-Expression": "GPL-2.0-or-later"}, None, False),
     ({"Classifier": ["License :: OSI Approved :: BSD License"], "License": "long text\nof a licence"}, "BSD", True),
     ({"Classifier": ["License :: OSI Approved :: GNU General Public License v3 (GPLv3)"]}, None, False),
+    ({"Classifier": ["License :: OSI Approved", "License :: OSI Approved :: MIT License"]}, "MIT", True),
     ({"Classifier": ["License :: OSI Approved :: MIT License",
                      "License :: OSI Approved :: GNU Lesser General Public License v3 (LGPLv3)"]}, None, False),
     ({"License": "Apache 2.0 License"}, "Apache-2.0", True),

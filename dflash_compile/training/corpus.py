@@ -88,8 +88,9 @@ def classify_license(metadata) -> tuple[str, bool]:
     expr = (metadata.get("License-Expression") or "").strip()
     if expr:
         return expr, _spdx_permissive(expr)
-    classifiers = [c[len("License :: "):] for c in (metadata.get_all("Classifier") or []) if c.startswith("License :: ")]
-    known = [_CLASSIFIERS.get(c) for c in classifiers if c != "OSI Approved"]
+    classifiers = [c[len("License :: "):] for c in (metadata.get_all("Classifier") or [])
+                   if c.startswith("License :: ") and c != "License :: OSI Approved"]
+    known = [_CLASSIFIERS.get(c) for c in classifiers]
     if known:
         name = " AND ".join(k or c for k, c in zip(known, classifiers))
         return name, all(known)
