@@ -141,11 +141,11 @@ class DFlashSpecWrapper(nn.Module):
             so attention costs what the live context needs, not the capacity. Default: 128, 256, 512, ... up to
             ``max_seq_len``. Each (batch bucket, context bucket) pair is one static step graph when compiled.
         max_cache_bytes: the most the KV pools may take (default: the memory available on the target's device when
-            they are allocated). They are allocated at ``generate``, eager for what its requests can need (the
-            concurrent ones, ``min(max_batch_size, requests)``, each ``prompt + max_new_tokens + block_size``
-            tokens at most), growing for a later call that needs more; compiled at the capacity, ``max_batch_size``
-            requests of ``max_seq_len`` tokens, as the step graphs are static in the pools' shapes. Pools that do
-            not fit are a ``ValueError`` naming the bytes, before anything is allocated.
+            they are allocated). Eager, they hold what the requests in flight can need (each ``prompt +
+            max_new_tokens + K + 1`` tokens at most) and grow in place, contents kept, when more requests join;
+            compiled, they are allocated at the capacity, ``max_batch_size`` requests of ``max_seq_len`` tokens, as
+            the step graphs are static in the pools' shapes. Pools that do not fit are a ``ValueError`` naming the
+            bytes, before anything is allocated (for ``generate``/``submit``: the joining requests fail with it).
 
     ``generate`` follows HF ``generate``; greedy output is token-identical to ``target.generate``.
     """
