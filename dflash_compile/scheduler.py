@@ -177,6 +177,7 @@ class Scheduler:
         self._lock = threading.Lock()
         self._waiting: deque[_Request] = deque()
         self._driver: threading.Thread | None = None
+        self._joining = 0  # requests taken off the queue and not yet in the batch (being admitted)
         self._ids = itertools.count()
         self.batch: _Batch | None = None
         self.cache = None
@@ -195,7 +196,7 @@ class Scheduler:
 
     def in_flight(self) -> int:
         with self._lock:
-            return len(self._waiting) + (len(self.batch.rows) if self.batch is not None else 0)
+            return len(self._waiting) + self._joining + (len(self.batch.rows) if self.batch is not None else 0)
 
     def idle(self) -> bool:
         with self._lock:
@@ -218,6 +219,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ the driver thread
     def _drive(self) -> None:
+        incoming: list[_Request] = []
         try:
             with torch.no_grad(), self._dynamo_settings():
                 while True:
@@ -225,6 +227,7 @@ class Scheduler:
                         running = self.batch.rows if self.batch is not None else []
                         free = self.spec.max_batch_size - len(running)
                         incoming = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
+                        self._joining = len(incoming)
                         if not incoming and not running:
                             self._driver = None
                             self.batch = None
@@ -236,12 +239,15 @@ class Scheduler:
                             self._admit(incoming)
                         except Exception as error:  # e.g. pools that do not fit: the joining requests fail
                             self._fail_admission(incoming, error)
+                    self._joining = 0
                     if self.batch is not None and self.batch.rows:
                         self._step()
         except BaseException as error:  # not one request's fault: every request in flight fails with it
             with self._lock:
                 failed = list(self._waiting) + (self.batch.rows if self.batch is not None else [])
+                failed += [r for r in incoming if r not in failed]
                 self._waiting.clear()
+                self._joining = 0
                 self.batch = None
                 self._driver = None
             for r in failed:
