@@ -221,7 +221,7 @@ class Scheduler:
     def _drive(self) -> None:
         incoming: list[_Request] = []
         try:
-            with torch.no_grad(), self._dynamo_settings():
+            with torch.no_grad():
                 while True:
                     with self._lock:
                         running = self.batch.rows if self.batch is not None else []
@@ -267,11 +267,11 @@ class Scheduler:
                 r.error = error
                 self._finish(r)
 
-    def _dynamo_settings(self):
+    @staticmethod
+    def _dynamo_settings():
         # Each (batch bucket, context bucket, sampled) key is one static graph, and every wrapper shares forward's
-        # code object, hence one dynamo cache: lift the per-code-object limit to dynamo's overall one.
-        if self.spec._compiled_call_impl is None:
-            return contextlib.nullcontext()
+        # code object, hence one dynamo cache: lift the per-code-object limit to dynamo's overall one. (Global
+        # config: patched only inside the process-wide step lock, so patches never interleave.)
         cfg = torch._dynamo.config
         return cfg.patch(recompile_limit=max(cfg.recompile_limit, cfg.accumulated_recompile_limit),
                          automatic_dynamic_shapes=False)
@@ -388,8 +388,9 @@ class Scheduler:
             # A key that already ran in this driver session has its compiled graph in dynamo's cache: only the
             # guards that tell the cached graphs apart need to run (one graph per key, told apart by input shapes).
             key = (bucket, step_inputs[2].shape[1], sampled)
-            with _COMPILED_STEPS, (torch.compiler.set_stance(skip_guard_eval_unsafe=True) if key in batch.warm
-                                   else contextlib.nullcontext()):
+            with _COMPILED_STEPS, self._dynamo_settings(), (
+                    torch.compiler.set_stance(skip_guard_eval_unsafe=True) if key in batch.warm
+                    else contextlib.nullcontext()):
                 tokens, num_accepted, next_block, next_probs = spec(*step_inputs, *sampling, **states)
             batch.warm.add(key)
         drafts = any(r.args.output_drafts for r in rows)
