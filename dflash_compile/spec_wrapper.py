@@ -12,7 +12,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import json
 import numbers
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -218,9 +220,6 @@ class DFlashSpecWrapper(nn.Module):
         ``max_seq_len``). The drafter is loaded from ``DIR`` (either checkpoint format) on the target's device and
         dtype. ``kwargs`` go to the constructor. Other methods, a missing model directory, ``K`` outside
         ``[1, block_size - 1]`` and keys it does not know are ``ValueError``."""
-        import json
-        from pathlib import Path
-
         cfg = json.loads(speculative_config) if isinstance(speculative_config, str) else dict(speculative_config)
         unknown = sorted(set(cfg) - {"method", "model", "num_speculative_tokens", "max_model_len"})
         if unknown:
