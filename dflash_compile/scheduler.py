@@ -185,14 +185,20 @@ class Scheduler:
     # ------------------------------------------------------------------ any thread
     def submit(self, prompt: list[int], args: GenerationArgs, generator: torch.Generator | None = None) -> RequestHandle:
         """Queue one validated request; it joins the running batch at the next step."""
-        request = _Request(next(self._ids), list(prompt), args, generator)
-        handle = RequestHandle(request)
+        return self.submit_together([prompt], args, [generator])[0]
+
+    def submit_together(self, prompts: list[list[int]], args: GenerationArgs,
+                        generators: list[torch.Generator | None]) -> list[RequestHandle]:
+        """Queue validated requests atomically: the driver sees all of them at once, so they are admitted in the
+        same step (one prefill forward) as far as free rows allow."""
+        requests = [_Request(next(self._ids), list(p), args, g) for p, g in zip(prompts, generators, strict=True)]
+        handles = [RequestHandle(r) for r in requests]
         with self._lock:
-            self._waiting.append(request)
+            self._waiting.extend(requests)
             if self._driver is None:
                 self._driver = threading.Thread(target=self._drive, name="dflash-scheduler")  # exit waits for it
                 self._driver.start()
-        return handle
+        return handles
 
     def in_flight(self) -> int:
         with self._lock:

@@ -518,7 +518,7 @@ class DFlashSpecWrapper(nn.Module):
             input_ids, attention_mask, streamer, tokenizer, seed, generator, output_drafts,
             dict(kwargs, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, pad_token_id=pad_token_id),
         )
-        handles = [self.scheduler.submit(p, args, g) for p, g in zip(prompts, generators)]
+        handles = self.scheduler.submit_together(prompts, args, generators)
         try:
             results = [h.result() for h in handles]
         except BaseException:  # this call fails (or is interrupted): its other rows leave the batch too
