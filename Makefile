@@ -11,7 +11,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: $(VENV)/.installed
-	$(PY) examples/generate.py
+	$(PY) examples/demo.py
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q

@@ -45,6 +45,9 @@ def main(argv=None) -> int:
     p.add_argument("--num-prompts", type=int, default=1024)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--gen-len", type=int, default=192)
+    p.add_argument("--signature-share", type=float, default=0.0,
+                   help="share of prompts that end with a documented function's signature and docstring "
+                        "(HumanEval-style), the rest are random windows")
     p.add_argument("--gen-batch", type=int, default=32)
     p.add_argument("--sample", action="store_true", help="sample the continuations (default greedy)")
     p.add_argument("--cache-dir", default="build/dflash_data")
@@ -69,7 +72,8 @@ def main(argv=None) -> int:
     tok = AutoTokenizer.from_pretrained(args.target)
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32, attn_implementation="sdpa").eval()
     data_cfg = DataConfig(num_prompts=args.num_prompts, prompt_len=args.prompt_len, gen_len=args.gen_len,
-                          do_sample=args.sample, gen_batch=args.gen_batch, seed=args.seed)
+                          do_sample=args.sample, gen_batch=args.gen_batch, seed=args.seed,
+                          signature_share=args.signature_share)
     data = build_dataset(target, tok, args.target, args.corpus, data_cfg, args.cache_dir, args.pattern)
     mask_id = tok.mask_token_id if tok.mask_token_id is not None else None
     layer_ids = args.target_layer_ids

@@ -20,6 +20,7 @@ from dflash_compile.training import (
     sample_anchors,
     train_drafter,
 )
+from dflash_compile.training.data import corpus_prompts, docstring_ends
 from tiny_models import VOCAB, tiny_target
 
 
@@ -138,3 +139,67 @@ def test_resume_continues_exactly(tmp_path):
     assert [h["loss"] for h in out["history"]] == [h["loss"] for h in full["history"]]
     for k, v in straight.state_dict().items():
         torch.testing.assert_close(resumed.state_dict()[k], v)
+
+
+_SOURCE = '''import math
+
+
+def area(r):
+    """Area of a circle."""
+    return math.pi * r * r
+
+
+def bare(x):
+    return x
+
+
+class Shape:
+    def scale(self, k):
+        """Scale by k.
+
+        Multi-line docstring.
+        """
+        self.k = k
+
+    def only_doc(self):
+        """No body after this."""
+'''
+
+
+def _char_tokenizer(text):
+    """Characters as token ids: a prompt's tokens are exactly its last characters."""
+    return {"input_ids": [ord(c) for c in text]}
+
+
+def test_docstring_ends_cut_after_each_documented_function_with_a_body():
+    ends = docstring_ends(_SOURCE)
+    assert [_SOURCE[:e].splitlines()[-1].strip() for e in ends] == ['"""Area of a circle."""', '"""']
+    assert all(_SOURCE[e - 1] == "\n" for e in ends)
+    assert _SOURCE[ends[0]:].startswith("    return math.pi")
+    assert _SOURCE[ends[1]:].startswith("        self.k = k")
+    assert docstring_ends("def broken(:\n") == []
+
+
+@pytest.mark.parametrize("share", [0.0, 0.5, 1.0])
+def test_corpus_prompts_mix_windows_and_signature_prompts(tmp_path, share):
+    f = tmp_path / "shapes.py"
+    f.write_text(_SOURCE)
+    P, n = 24, 10
+    prompts = corpus_prompts(_char_tokenizer, [f], n, P, seed=3, signature_share=share)
+    assert prompts.shape == (n, P)
+    texts = ["".join(map(chr, row.tolist())) for row in prompts]
+    assert all(t in _SOURCE for t in texts)  # every prompt is a window of the source
+    cut = [t for t in texts if any(_SOURCE[:e].endswith(t) for e in docstring_ends(_SOURCE))]
+    assert len(cut) >= round(share * n)  # random windows may also end at a cut by chance
+    if share == 1.0:
+        assert len(cut) == n
+    assert torch.equal(prompts, corpus_prompts(_char_tokenizer, [f], n, P, seed=3, signature_share=share))
+
+
+def test_corpus_prompts_refuses_signature_prompts_the_corpus_cannot_give(tmp_path):
+    f = tmp_path / "shapes.py"
+    f.write_text(_SOURCE)
+    with pytest.raises(ValueError, match="no documented function"):
+        corpus_prompts(_char_tokenizer, [f], 4, len(_SOURCE), seed=0, signature_share=0.5)
+    with pytest.raises(ValueError, match=r"signature_share must be in \[0, 1\]"):
+        DataConfig(signature_share=1.5)

@@ -1,7 +1,9 @@
 """Drafter training data: prompts from a text corpus, continued by the frozen target, cached to disk.
 
 The drafter learns the target's own outputs, so each example is ``prompt + target continuation`` (greedy by
-default). Prompts are random ``prompt_len``-token windows of corpus files. The cache file name is a hash of
+default). Prompts are random ``prompt_len``-token windows of corpus files and, for a ``signature_share`` of
+them, the way people prompt code models: the ``prompt_len`` tokens that end with a documented function's
+signature and docstring (as HumanEval's prompts do), so the drafter learns how the target writes a body. The cache file name is a hash of
 the target (config + every byte of its weights), the corpus (file names and contents) and every setting, so
 changing any of them regenerates the data and nothing stale is reused. Sampled continuations are seeded from the
 settings, and the caller's global RNG state is left as it was.
@@ -28,10 +30,13 @@ class DataConfig:
     temperature: float = 1.0
     gen_batch: int = 32
     seed: int = 0
+    signature_share: float = 0.0  # share of prompts that end with a function's signature and docstring
 
     def __post_init__(self):
         if self.num_prompts < 1 or self.prompt_len < 1 or self.gen_len < 1 or self.gen_batch < 1:
             raise ValueError(f"num_prompts, prompt_len, gen_len and gen_batch must be >= 1: {self}")
+        if not 0.0 <= self.signature_share <= 1.0:
+            raise ValueError(f"signature_share must be in [0, 1], got {self.signature_share}")
 
 
 @dataclass
@@ -72,24 +77,75 @@ def corpus_files(corpus, pattern: str = "*.py") -> list[Path]:
     raise FileNotFoundError(f"corpus {corpus!r} is neither a file, a directory nor 'stdlib'")
 
 
-def corpus_prompts(tokenizer, files: list[Path], num_prompts: int, prompt_len: int, seed: int) -> torch.Tensor:
-    """``[num_prompts, prompt_len]`` random token windows of the corpus files (reproducible from ``seed``)."""
+def _read(f: Path) -> str | None:
+    try:
+        return f.read_text(encoding="utf-8")
+    except (UnicodeDecodeError, OSError):
+        return None
+
+
+def docstring_ends(source: str) -> list[int]:
+    """Character offsets just past the line that closes the docstring of each documented function or method
+    of ``source`` (the newline included): ``source[:offset]`` is a prompt like HumanEval's, a signature and its
+    docstring with everything above. Empty for source that does not parse."""
+    import ast
+    import warnings
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # invalid escapes etc. in old sources
+            tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return []
+    line_starts = [0]
+    for line in source.splitlines(keepends=True):
+        line_starts.append(line_starts[-1] + len(line))
+    ends = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and ast.get_docstring(node) is not None:
+            doc = node.body[0]
+            if len(node.body) > 1 and doc.end_lineno < len(line_starts) - 1:  # a body follows the docstring
+                ends.append(line_starts[doc.end_lineno])
+    return sorted(ends)
+
+
+def corpus_prompts(tokenizer, files: list[Path], num_prompts: int, prompt_len: int, seed: int,
+                   signature_share: float = 0.0) -> torch.Tensor:
+    """``[num_prompts, prompt_len]`` prompts from the corpus files, reproducible from ``seed``: random token
+    windows, and for ``round(signature_share * num_prompts)`` of them (in random rows) the last ``prompt_len``
+    tokens of a file cut just after a documented function's docstring (``docstring_ends``), tokenized on their
+    own as a user's prompt would be (distinct functions while the corpus has enough, then repeats); functions
+    with fewer tokens above them than ``prompt_len`` are not used."""
     rng = random.Random(seed)
-    docs = []
-    for f in files:
-        try:
-            ids = tokenizer(f.read_text(encoding="utf-8"))["input_ids"]
-        except (UnicodeDecodeError, OSError):
-            continue
-        if len(ids) >= prompt_len:
-            docs.append(ids)
+    texts = [t for t in map(_read, files) if t]
+    docs = [ids for ids in (tokenizer(t)["input_ids"] for t in texts) if len(ids) >= prompt_len]
     if not docs:
         raise ValueError(f"no corpus file has {prompt_len} tokens")
+    num_signatures = round(signature_share * num_prompts)
+    signatures = []
+    if num_signatures:
+        cuts = [(i, end) for i, t in enumerate(texts) for end in docstring_ends(t)]
+        rng.shuffle(cuts)
+        for i, end in cuts:
+            # Tokenize only the text just above the cut: ~8 characters per token is ample for code.
+            ids = tokenizer(texts[i][max(0, end - 8 * prompt_len):end])["input_ids"]
+            if len(ids) > prompt_len:  # the first token may be cut in half: never use it
+                signatures.append(ids[-prompt_len:])
+                if len(signatures) == num_signatures:
+                    break
+        if not signatures:
+            raise ValueError(f"no documented function in the corpus has {prompt_len} tokens above its docstring's "
+                             f"end: signature prompts are impossible (signature_share 0, or a shorter prompt_len)")
+        # A small corpus repeats its functions, as windows repeat their files.
+        signatures += rng.choices(signatures, k=num_signatures - len(signatures))
     weights = [len(d) - prompt_len + 1 for d in docs]
     out = []
-    for d in rng.choices(docs, weights=weights, k=num_prompts):
+    for d in rng.choices(docs, weights=weights, k=num_prompts - num_signatures):
         s = rng.randrange(len(d) - prompt_len + 1)
         out.append(d[s : s + prompt_len])
+    if signatures:
+        out += signatures
+        rng.shuffle(out)  # mixed batches for generation
     return torch.tensor(out, dtype=torch.long)
 
 
@@ -165,7 +221,7 @@ def build_dataset(target, tokenizer, target_dir, corpus, cfg: DataConfig, cache_
         print(f"data: cached {cache}", flush=True)
         return DraftDataset.load(cache)
     t0 = time.time()
-    prompts = corpus_prompts(tokenizer, files, cfg.num_prompts, cfg.prompt_len, cfg.seed)
+    prompts = corpus_prompts(tokenizer, files, cfg.num_prompts, cfg.prompt_len, cfg.seed, cfg.signature_share)
     ds = generate_continuations(target, prompts, cfg, eos_token_id=tokenizer.eos_token_id,
                                 pad_token_id=tokenizer.pad_token_id, progress=progress)
     cache.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,141 @@
+"""One screen that shows what DFlash does: the same prompt through HF ``generate`` (greedy) and through the
+compiled DFlash step, side by side.
+
+    python examples/demo.py                      # the shipped default pair, backend dflash (what `make demo` runs)
+    python examples/demo.py --prompt "def is_prime(n: int) -> bool:" --max-new-tokens 96
+    python examples/demo.py --backend eager      # no compile
+    python examples/demo.py --target TARGET_DIR --draft DRAFT_DIR
+
+Prints the completion once, tokens/s of each (median of ``--runs`` timed runs after an untimed warm-up run),
+the speed-up, whether the two outputs are identical, the acceptance length and how often each draft position
+was accepted. The first run compiles the step graph (a line says so); Inductor's compiled artefacts are cached
+under ``build/torchinductor`` in the repository (``TORCHINDUCTOR_CACHE_DIR`` overrides), so later runs skip
+most of that work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Inductor reads this when it first compiles: set before anything can compile.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(REPO, "build", "torchinductor"))
+
+import torch  # noqa: E402
+
+from dflash_compile import DFlashDraftModel, DFlashSpecWrapper  # noqa: E402
+from dflash_compile.generation import DFlashStats  # noqa: E402
+
+DEFAULT_PROMPT = '''def running_mean(values: list[float], window: int) -> list[float]:
+    """Return the mean of each run of ``window`` consecutive values."""
+'''
+BAR_WIDTH = 30
+
+
+def _load(target_dir: str | None, draft_dir: str | None):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if target_dir is None:
+        from dflash_compile.assets import default_pair_paths
+
+        target_dir, draft_dir = (str(p) for p in default_pair_paths())
+        where = "the shipped default pair"
+    else:
+        where = f"{target_dir} + {draft_dir}"
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    draft = DFlashDraftModel.from_pretrained(draft_dir, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    params = sum(p.numel() for p in target.parameters()) / 1e6
+    print(f"{where}: target {type(target).__name__} {params:.2f}M parameters, drafter "
+          f"{sum(p.numel() for p in draft.parameters()) / 1e6:.2f}M, block size {draft.config.block_size}")
+    return target, draft, tok
+
+
+def _timed(fn, runs: int) -> tuple[float, object]:
+    """Median wall time of ``runs`` calls (after the caller's warm-up) and the last call's result."""
+    times, out = [], None
+    for _ in range(runs):
+        start = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), out
+
+
+def _histogram(stats: DFlashStats) -> list[str]:
+    """One line per draft position: the share of steps in which it was accepted, as a bar."""
+    steps = max(1, stats.num_drafts)
+    lines = []
+    for i, n in enumerate(stats.num_accepted_tokens_per_pos, start=1):
+        share = n / steps
+        lines.append(f"  draft {i}: {'#' * round(share * BAR_WIDTH):<{BAR_WIDTH}} {share:5.0%}")
+    return lines
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", help="HF causal LM directory (with its tokenizer); default: the shipped pair")
+    p.add_argument("--draft", help="DFlash drafter directory")
+    p.add_argument("--prompt", default=DEFAULT_PROMPT)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--backend", default="dflash", choices=("dflash", "eager"),
+                   help="dflash: the compiled step (default); eager: no compile")
+    p.add_argument("--runs", type=int, default=3, help="timed runs of each method (median reported)")
+    args = p.parse_args(argv)
+    if bool(args.target) != bool(args.draft):
+        p.error("--target and --draft go together")
+    if args.runs < 1 or args.max_new_tokens < 1:
+        p.error("--runs and --max-new-tokens must be at least 1")
+    torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+
+    target, draft, tok = _load(args.target, args.draft)
+    ids = torch.tensor([tok(args.prompt).input_ids])
+    n = args.max_new_tokens
+    hf_kwargs = dict(max_new_tokens=n, do_sample=False, pad_token_id=tok.pad_token_id)
+
+    with torch.no_grad():
+        target.generate(ids, **hf_kwargs)  # warm-up
+        hf_time, hf_out = _timed(lambda: target.generate(ids, **hf_kwargs), args.runs)
+    hf_tokens = hf_out[0, ids.shape[1]:].tolist()
+
+    spec = DFlashSpecWrapper(target, draft, max_batch_size=1, max_seq_len=ids.shape[1] + n + 2 * draft.config.block_size)
+    if args.backend == "dflash":
+        spec.compile(backend="dflash", fullgraph=True)
+        cache = os.environ["TORCHINDUCTOR_CACHE_DIR"]
+        warm = os.path.isdir(cache) and any(os.scandir(cache))
+        print(f"compiling the DFlash step with backend 'dflash' "
+              f"({'reusing' if warm else 'first run: about a minute; then cached in'} "
+              f"{os.path.relpath(cache)}) ...", flush=True)
+    gen_kwargs = dict(max_new_tokens=n, pad_token_id=tok.pad_token_id, return_dict_in_generate=True)
+    start = time.perf_counter()
+    spec.generate(ids, **gen_kwargs)  # warm-up (compiles on the first run)
+    if args.backend == "dflash":
+        print(f"compiled in {time.perf_counter() - start:.1f}s", flush=True)
+    dflash_time, out = _timed(lambda: spec.generate(ids, **gen_kwargs), args.runs)
+    spec.close()
+    dflash_tokens = out.sequences[0, out.prompt_width:out.prompt_width + out.num_new_tokens[0]].tolist()
+    stats = out.per_request[0]
+
+    rule = "-" * 72
+    print(f"\n{rule}\n{args.prompt}", end="")
+    print(tok.decode(dflash_tokens), end="")
+    print(f"\n{rule}")
+    hf_rate, dflash_rate = len(hf_tokens) / hf_time, len(dflash_tokens) / dflash_time
+    label = "DFlash, compiled (backend dflash)" if args.backend == "dflash" else "DFlash, eager"
+    print(f"{'HF generate, greedy':<34} {hf_rate:7.1f} tokens/s")
+    print(f"{label:<34} {dflash_rate:7.1f} tokens/s   speed-up {dflash_rate / hf_rate:.2f}x")
+    print(f"({len(dflash_tokens)} new tokens, median of {args.runs} runs after a warm-up, batch size 1, "
+          f"{torch.get_num_threads()} CPU threads)")
+    identical = dflash_tokens == hf_tokens
+    print(f"identical output: {'yes' if identical else 'NO'}")
+    print(f"acceptance length {stats.acceptance_length:.2f} tokens per target forward "
+          f"({stats.num_drafts} steps, block size {spec.block_size}); draft positions accepted:")
+    print("\n".join(_histogram(stats)))
+    return 0 if identical else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
