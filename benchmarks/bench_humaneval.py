@@ -63,6 +63,7 @@ from transformers.generation.utils import GenerationMixin  # noqa: E402
 from dflash_compile import DFlashDraftModel, DFlashSpecWrapper  # noqa: E402
 from dflash_compile.assets import default_pair_paths  # noqa: E402
 from dflash_compile.hf_format import transformers_assistant  # noqa: E402
+from pairs import pair_at_revision  # noqa: E402  (benchmarks/pairs.py)
 
 METHODS = ("hf_greedy", "hf_compiled", "hf_prompt_lookup", "hf_dflash", "hf_assisted", "dflash_eager",
            "dflash_compiled")
@@ -269,7 +270,12 @@ def run(args) -> dict:
     torch.manual_seed(0)
     if (args.target is None) != (args.draft is None):
         raise SystemExit("give both --target and --draft, or neither (the shipped default pair)")
-    target_dir, draft_dir = (args.target, args.draft) if args.target else default_pair_paths()
+    if args.pair_revision and args.target:
+        raise SystemExit("give --target/--draft or --pair-revision, not both")
+    if args.pair_revision:
+        target_dir, draft_dir = pair_at_revision(args.pair_revision)
+    else:
+        target_dir, draft_dir = (args.target, args.draft) if args.target else default_pair_paths()
     methods = METHODS if args.methods == "all" else tuple(m.strip() for m in args.methods.split(",") if m.strip())
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:
@@ -511,6 +517,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default=None, help="HF target directory (default: the shipped pair's)")
     p.add_argument("--draft", default=None, help="DFlash drafter directory (default: the shipped pair's)")
+    p.add_argument("--pair-revision", default=None,
+                   help="the default pair as it was at this git revision (benchmarks/pairs.py), e.g. an earlier pair")
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-new", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)

@@ -1,7 +1,7 @@
 """Share of a target's 128-token greedy completions of HumanEval prompts 0..39 that end in a token loop.
 
     python benchmarks/greedy_loops.py [--target DIR] [--first 0 --last 39] [--max-new 128] [--show 3] \\
-        [--json OUT.json]
+        [--json OUT.json] [--pair-revision REV]
 
 A completion ends in a loop when its last 32 tokens (of at most 128 new tokens, cut before eos) are periodic
 with a period of at most 16 tokens (``dflash_compile.training.loops``; README, "Training"). ``--target``
@@ -23,6 +23,8 @@ import torch
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", default=None, help="HF target directory (default: the default pair's target)")
+    p.add_argument("--pair-revision", default=None, help="the default pair's target at this git revision "
+                   "(benchmarks/pairs.py)")
     p.add_argument("--first", type=int, default=0)
     p.add_argument("--last", type=int, default=39)
     p.add_argument("--max-new", type=int, default=128)
@@ -34,7 +36,13 @@ def main(argv=None) -> int:
 
     from dflash_compile.training.loops import greedy_completions, humaneval_prompts, loop_report
 
-    if args.target is None:
+    if args.pair_revision:
+        if args.target:
+            p.error("give --target or --pair-revision, not both")
+        from pairs import pair_at_revision
+
+        args.target = str(pair_at_revision(args.pair_revision)[0])
+    elif args.target is None:
         from dflash_compile.assets import default_pair_paths
 
         args.target = str(default_pair_paths()[0])

@@ -9,7 +9,7 @@ compiled DFlash step, side by side.
 Prints the completion once, tokens/s of each (median of ``--runs`` timed runs after an untimed warm-up run),
 the speed-up, whether the two outputs are identical, the acceptance length and how often each draft position
 was accepted. The first run compiles the step graph (a line says so); Inductor's compiled artefacts are cached
-under ``build/torchinductor`` in the repository (``TORCHINDUCTOR_CACHE_DIR`` overrides), so later runs skip
+under ``build/inductor-cache`` in the repository (``TORCHINDUCTOR_CACHE_DIR`` overrides), so later runs skip
 most of that work.
 """
 
@@ -23,7 +23,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Inductor reads this when it first compiles: set before anything can compile.
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(REPO, "build", "torchinductor"))
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(REPO, "build", "inductor-cache"))
 
 import torch  # noqa: E402
 

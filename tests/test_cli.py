@@ -59,3 +59,27 @@ def test_cli_errors(tmp_path):
     r = _run("--prompts-file", str(f), "--max-new-tokens", "4", "--batch-size", "2")
     assert r.returncode == 0, r.stderr
     assert "--- [1]" in r.stdout
+
+
+DEMO = os.path.join(ROOT, "examples", "demo.py")
+
+
+def test_demo_shows_both_methods_side_by_side():
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, DEMO, "--backend", "eager", "--max-new-tokens", "24", "--runs", "1"],
+                       capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "the shipped default pair" in out and "identical output: yes" in out
+    assert "HF generate, greedy" in out and "DFlash, eager" in out and "speed-up" in out
+    assert "def running_mean" in out  # the prompt and its completion, printed once
+    bars = [line for line in out.splitlines() if line.strip().startswith("draft ")]
+    from dflash_compile import DFlashDraftModel
+    from dflash_compile.assets import default_pair_paths
+
+    assert len(bars) == DFlashDraftModel.from_pretrained(default_pair_paths()[1]).config.block_size - 1
+
+
+def test_demo_errors():
+    r = subprocess.run([sys.executable, DEMO, "--target", "x"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 2 and "--target and --draft go together" in r.stderr

@@ -1,0 +1,56 @@
+"""The default pair as it was at any git revision, for benchmarks that compare figures across a change of the
+shipped pair.
+
+    python benchmarks/pairs.py REV          # extracts it, prints "TARGET_DIR DRAFT_DIR"
+    python benchmarks/bench_humaneval.py --pair-revision REV ...
+
+``REV`` is any revision of this repository (a commit, a branch, a tag); the pair's files at that revision are
+extracted with ``git archive`` under ``build/pairs/<commit>/`` once and reused. README, "Training", names the
+revisions of the earlier pairs.
+"""
+
+from __future__ import annotations
+
+import io
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PAIR = "dflash_compile/assets/default_pair"
+
+
+def _git(*args: str) -> bytes:
+    try:
+        return subprocess.run(["git", "-C", str(REPO), *args], check=True, capture_output=True).stdout
+    except FileNotFoundError:
+        raise SystemExit("git is not installed: --pair-revision reads the pair from the repository's history")
+    except subprocess.CalledProcessError as e:
+        raise SystemExit(f"git {' '.join(args)}: {e.stderr.decode().strip()}") from None
+
+
+def pair_at_revision(rev: str) -> tuple[Path, Path]:
+    """``(target_dir, draft_dir)`` of the default pair at revision ``rev`` (extracted under build/pairs/)."""
+    commit = _git("rev-parse", "--verify", f"{rev}^{{commit}}").decode().strip()
+    out = REPO / "build" / "pairs" / commit
+    target, draft = out / PAIR / "target", out / PAIR / "draft"
+    if not ((target / "config.json").is_file() and (draft / "config.json").is_file()):
+        archive = _git("archive", "--format=tar", commit, PAIR)
+        tmp = out.with_name(commit + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)  # an interrupted extraction
+        with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+            tar.extractall(tmp, filter="data")
+        if not (tmp / PAIR / "target" / "config.json").is_file():
+            shutil.rmtree(tmp)
+            raise SystemExit(f"revision {rev} ({commit[:10]}) has no default pair under {PAIR}")
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.replace(out)
+    return target, draft
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        raise SystemExit(__doc__)
+    print(*pair_at_revision(sys.argv[1]))

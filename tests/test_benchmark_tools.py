@@ -1,0 +1,35 @@
+"""benchmarks/pairs.py: the default pair at a git revision, for figures comparable across a change of the pair."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+
+def _git_checkout() -> bool:
+    if shutil.which("git") is None:
+        return False
+    r = subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True)
+    return r.returncode == 0
+
+
+@pytest.mark.skipif(not _git_checkout(), reason="needs git and a git checkout of the repository")
+def test_pair_at_revision_extracts_the_committed_pair():
+    from pairs import PAIR, pair_at_revision
+
+    target, draft = pair_at_revision("HEAD")
+    for d, name in ((target, "target"), (draft, "draft")):
+        for f in ("config.json", "model.safetensors"):
+            committed = subprocess.run(["git", "-C", ROOT, "show", f"HEAD:{PAIR}/{name}/{f}"], capture_output=True,
+                                       check=True).stdout
+            assert (d / f).read_bytes() == committed
+    assert pair_at_revision("HEAD") == (target, draft)  # reused, not extracted again
+    with pytest.raises(SystemExit, match="Needed a single revision"):
+        pair_at_revision("no-such-revision")
