@@ -55,6 +55,8 @@ def main(argv=None) -> int:
     p.add_argument("--first", type=int, default=0)
     p.add_argument("--last", type=int, default=39)
     p.add_argument("--max-new", type=int, default=128)
+    p.add_argument("--rstrip", action="store_true",
+                   help="strip the prompts' trailing newline (README, \"Training\": a bare newline token means column 0)")
     p.add_argument("--data", default=None, help="a drafter dataset cache (.pt) to measure on as well")
     p.add_argument("--data-rows", type=int, default=64)
     p.add_argument("--json", default=None)
@@ -88,9 +90,9 @@ def main(argv=None) -> int:
     report = {"target": str(target_dir), "draft": str(draft_dir), "block_size": spec.block_size,
               "max_new": args.max_new}
     with torch.no_grad():
-        prompts = [tok(x)["input_ids"] for x in humaneval_prompts(args.first, args.last)]
+        prompts = [tok(x.rstrip() if args.rstrip else x)["input_ids"] for x in humaneval_prompts(args.first, args.last)]
         report["humaneval"] = dict(measure(spec, target, prompts, args.max_new, "HumanEval"),
-                                   first=args.first, last=args.last)
+                                   first=args.first, last=args.last, rstrip=args.rstrip)
         if args.data:
             ds = DraftDataset.load(args.data)
             rows = ds.tokens[: args.data_rows, : ds.prompt_len].tolist()

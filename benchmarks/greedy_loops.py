@@ -28,6 +28,8 @@ def main(argv=None) -> int:
     p.add_argument("--first", type=int, default=0)
     p.add_argument("--last", type=int, default=39)
     p.add_argument("--max-new", type=int, default=128)
+    p.add_argument("--rstrip", action="store_true",
+                   help="strip the prompts' trailing newline (README, \"Training\": a bare newline token means column 0)")
     p.add_argument("--show", type=int, default=0, help="print this many completions (the first ones)")
     p.add_argument("--json", default=None, help="also write the report here")
     args = p.parse_args(argv)
@@ -49,10 +51,10 @@ def main(argv=None) -> int:
     t0 = time.time()
     tok = AutoTokenizer.from_pretrained(args.target)
     model = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
-    prompts = humaneval_prompts(args.first, args.last)
+    prompts = [x.rstrip() if args.rstrip else x for x in humaneval_prompts(args.first, args.last)]
     completions = greedy_completions(model, tok, prompts, args.max_new)
     report = loop_report(completions)
-    report.update(target=args.target, first=args.first, last=args.last, max_new=args.max_new,
+    report.update(target=args.target, rstrip=args.rstrip, first=args.first, last=args.last, max_new=args.max_new,
                   wall_s=round(time.time() - t0, 1))
     for i in range(min(args.show, len(prompts))):
         print(f"--- HumanEval/{args.first + i} (loop period {report['periods'][i]})")

@@ -30,9 +30,14 @@ import torch  # noqa: E402
 from dflash_compile import DFlashDraftModel, DFlashSpecWrapper  # noqa: E402
 from dflash_compile.generation import DFlashStats  # noqa: E402
 
-DEFAULT_PROMPT = '''def running_mean(values: list[float], window: int) -> list[float]:
-    """Return the mean of each run of ``window`` consecutive values."""
-'''
+# Ends at the docstring's closing quotes, not a newline: the shipped tokenizer (byte-level BPE) merges a newline
+# with the next line's indentation, so a prompt ending in a bare newline token says "the next line starts at column
+# 0" and the model writes top-level code instead of the body.
+DEFAULT_PROMPT = '''import os
+
+
+def read_lines(path):
+    """Return the lines of the file at ``path``, without their newlines."""'''
 BAR_WIDTH = 30
 
 

@@ -72,7 +72,7 @@ def test_demo_shows_both_methods_side_by_side():
     out = r.stdout
     assert "the shipped default pair" in out and "identical output: yes" in out
     assert "HF generate, greedy" in out and "DFlash, eager" in out and "speed-up" in out
-    assert "def running_mean" in out  # the prompt and its completion, printed once
+    assert "def read_lines(path):" in out  # the prompt and its completion, printed once
     bars = [line for line in out.splitlines() if line.strip().startswith("draft ")]
     from dflash_compile import DFlashDraftModel
     from dflash_compile.assets import default_pair_paths
