@@ -6,7 +6,8 @@ compiled DFlash step, side by side.
     python examples/demo.py --backend eager      # no compile
     python examples/demo.py --target TARGET_DIR --draft DRAFT_DIR
 
-Prints the completion once, tokens/s of each (median of ``--runs`` timed runs after an untimed warm-up run),
+Prints the completion once, tokens/s of each (median of ``--runs`` rounds, the two methods interleaved, after an untimed warm-up run;
+one CPU thread by default),
 the speed-up, whether the two outputs are identical, the acceptance length and how often each draft position
 was accepted. The first run compiles the step graph (a line says so); Inductor's compiled artefacts are cached
 under ``build/inductor-cache`` in the repository (``TORCHINDUCTOR_CACHE_DIR`` overrides), so later runs skip
@@ -60,14 +61,16 @@ def _load(target_dir: str | None, draft_dir: str | None):
     return target, draft, tok
 
 
-def _timed(fn, runs: int) -> tuple[float, object]:
-    """Median wall time of ``runs`` calls (after the caller's warm-up) and the last call's result."""
-    times, out = [], None
+def _interleaved(fns: dict, runs: int) -> dict:
+    """``{name: (median wall time, last result)}`` of ``runs`` rounds, each round calling every function once in
+    turn, so that a load change on a shared machine hits all of them alike."""
+    times, results = {name: [] for name in fns}, {}
     for _ in range(runs):
-        start = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), out
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            results[name] = fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: (statistics.median(times[name]), results[name]) for name in fns}
 
 
 def _histogram(stats: DFlashStats) -> list[str]:
@@ -88,23 +91,21 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--backend", default="dflash", choices=("dflash", "eager"),
                    help="dflash: the compiled step (default); eager: no compile")
-    p.add_argument("--runs", type=int, default=3, help="timed runs of each method (median reported)")
+    p.add_argument("--runs", type=int, default=3, help="timed rounds, each running both methods (median reported)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="CPU threads (default 1: a model this small runs fastest on one core, and a second thread's "
+                        "synchronisation costs more than it gives on a shared machine)")
     args = p.parse_args(argv)
     if bool(args.target) != bool(args.draft):
         p.error("--target and --draft go together")
-    if args.runs < 1 or args.max_new_tokens < 1:
-        p.error("--runs and --max-new-tokens must be at least 1")
-    torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+    if args.runs < 1 or args.max_new_tokens < 1 or args.threads < 1:
+        p.error("--runs, --max-new-tokens and --threads must be at least 1")
+    torch.set_num_threads(args.threads)
 
     target, draft, tok = _load(args.target, args.draft)
     ids = torch.tensor([tok(args.prompt).input_ids])
     n = args.max_new_tokens
     hf_kwargs = dict(max_new_tokens=n, do_sample=False, pad_token_id=tok.pad_token_id)
-
-    with torch.no_grad():
-        target.generate(ids, **hf_kwargs)  # warm-up
-        hf_time, hf_out = _timed(lambda: target.generate(ids, **hf_kwargs), args.runs)
-    hf_tokens = hf_out[0, ids.shape[1]:].tolist()
 
     spec = DFlashSpecWrapper(target, draft, max_batch_size=1, max_seq_len=ids.shape[1] + n + 2 * draft.config.block_size)
     if args.backend == "dflash":
@@ -115,12 +116,17 @@ def main(argv=None) -> int:
               f"({'reusing' if warm else 'first run: about a minute; then cached in'} "
               f"{os.path.relpath(cache)}) ...", flush=True)
     gen_kwargs = dict(max_new_tokens=n, pad_token_id=tok.pad_token_id, return_dict_in_generate=True)
-    start = time.perf_counter()
-    spec.generate(ids, **gen_kwargs)  # warm-up (compiles on the first run)
-    if args.backend == "dflash":
-        print(f"compiled in {time.perf_counter() - start:.1f}s", flush=True)
-    dflash_time, out = _timed(lambda: spec.generate(ids, **gen_kwargs), args.runs)
+    with torch.no_grad():
+        start = time.perf_counter()
+        spec.generate(ids, **gen_kwargs)  # warm-up (compiles on the first run)
+        if args.backend == "dflash":
+            print(f"compiled in {time.perf_counter() - start:.1f}s", flush=True)
+        target.generate(ids, **hf_kwargs)  # warm-up
+        timed = _interleaved({"hf": lambda: target.generate(ids, **hf_kwargs),
+                              "dflash": lambda: spec.generate(ids, **gen_kwargs)}, args.runs)
     spec.close()
+    (hf_time, hf_out), (dflash_time, out) = timed["hf"], timed["dflash"]
+    hf_tokens = hf_out[0, ids.shape[1]:].tolist()
     dflash_tokens = out.sequences[0, out.prompt_width:out.prompt_width + out.num_new_tokens[0]].tolist()
     stats = out.per_request[0]
 
@@ -132,8 +138,8 @@ def main(argv=None) -> int:
     label = "DFlash, compiled (backend dflash)" if args.backend == "dflash" else "DFlash, eager"
     print(f"{'HF generate, greedy':<34} {hf_rate:7.1f} tokens/s")
     print(f"{label:<34} {dflash_rate:7.1f} tokens/s   speed-up {dflash_rate / hf_rate:.2f}x")
-    print(f"({len(dflash_tokens)} new tokens, median of {args.runs} runs after a warm-up, batch size 1, "
-          f"{torch.get_num_threads()} CPU threads)")
+    print(f"({len(dflash_tokens)} new tokens, median of {args.runs} interleaved runs after a warm-up, batch size 1, "
+          f"{torch.get_num_threads()} CPU thread{'s' if torch.get_num_threads() > 1 else ''})")
     identical = dflash_tokens == hf_tokens
     print(f"identical output: {'yes' if identical else 'NO'}")
     print(f"acceptance length {stats.acceptance_length:.2f} tokens per target forward "
