@@ -56,7 +56,8 @@ def main(argv=None) -> int:
     p.add_argument("--last", type=int, default=39)
     p.add_argument("--max-new", type=int, default=128)
     p.add_argument("--rstrip", action="store_true",
-                   help="strip the prompts' trailing newline (README, \"Training\": a bare newline token means column 0)")
+                   help="strip the prompts' trailing newline (README, \"Training\": a bare newline token means "
+                        "column 0)")
     p.add_argument("--data", default=None, help="a drafter dataset cache (.pt) to measure on as well")
     p.add_argument("--data-rows", type=int, default=64)
     p.add_argument("--json", default=None)

@@ -29,7 +29,8 @@ def main(argv=None) -> int:
     p.add_argument("--last", type=int, default=39)
     p.add_argument("--max-new", type=int, default=128)
     p.add_argument("--rstrip", action="store_true",
-                   help="strip the prompts' trailing newline (README, \"Training\": a bare newline token means column 0)")
+                   help="strip the prompts' trailing newline (README, \"Training\": a bare newline token means "
+                        "column 0)")
     p.add_argument("--show", type=int, default=0, help="print this many completions (the first ones)")
     p.add_argument("--json", default=None, help="also write the report here")
     args = p.parse_args(argv)

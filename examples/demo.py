@@ -6,10 +6,9 @@ compiled DFlash step, side by side.
     python examples/demo.py --backend eager      # no compile
     python examples/demo.py --target TARGET_DIR --draft DRAFT_DIR
 
-Prints the completion once, tokens/s of each (median of ``--runs`` rounds, the two methods interleaved, after an untimed warm-up run;
-one CPU thread by default),
-the speed-up, whether the two outputs are identical, the acceptance length and how often each draft position
-was accepted. The first run compiles the step graph (a line says so); Inductor's compiled artefacts are cached
+Prints the completion once, tokens/s of each (median of ``--runs`` rounds, the two methods interleaved, after
+an untimed warm-up run; one CPU thread by default), the speed-up, whether the two outputs are identical, the
+acceptance length and how often each draft position was accepted. The first run compiles the step graph (a line says so); Inductor's compiled artefacts are cached
 under ``build/inductor-cache`` in the repository (``TORCHINDUCTOR_CACHE_DIR`` overrides), so later runs skip
 most of that work.
 """
@@ -107,7 +106,8 @@ def main(argv=None) -> int:
     n = args.max_new_tokens
     hf_kwargs = dict(max_new_tokens=n, do_sample=False, pad_token_id=tok.pad_token_id)
 
-    spec = DFlashSpecWrapper(target, draft, max_batch_size=1, max_seq_len=ids.shape[1] + n + 2 * draft.config.block_size)
+    capacity = ids.shape[1] + n + 2 * draft.config.block_size
+    spec = DFlashSpecWrapper(target, draft, max_batch_size=1, max_seq_len=capacity)
     if args.backend == "dflash":
         spec.compile(backend="dflash", fullgraph=True)
         cache = os.environ["TORCHINDUCTOR_CACHE_DIR"]

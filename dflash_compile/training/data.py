@@ -3,10 +3,10 @@
 The drafter learns the target's own outputs, so each example is ``prompt + target continuation`` (greedy by
 default). Prompts are random ``prompt_len``-token windows of corpus files and, for a ``signature_share`` of
 them, the way people prompt code models: the ``prompt_len`` tokens that end with a documented function's
-signature and docstring (as HumanEval's prompts do), so the drafter learns how the target writes a body. The cache file name is a hash of
-the target (config + every byte of its weights), the corpus (file names and contents) and every setting, so
-changing any of them regenerates the data and nothing stale is reused. Sampled continuations are seeded from the
-settings, and the caller's global RNG state is left as it was.
+signature and docstring (as HumanEval's prompts do), so the drafter learns how the target writes a body. The
+cache file name is a hash of the target (config + every byte of its weights), the corpus (file names and
+contents) and every setting, so changing any of them regenerates the data and nothing stale is reused. Sampled
+continuations are seeded from the settings, and the caller's global RNG state is left as it was.
 """
 
 from __future__ import annotations
