@@ -62,27 +62,15 @@ def main(argv=None) -> int:
     p.add_argument("--data-rows", type=int, default=64)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    if (args.target is None) != (args.draft is None):
-        p.error("give both --target and --draft, or neither")
-    if args.pair_revision and args.target:
-        p.error("give --target/--draft or --pair-revision, not both")
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dflash_compile import DFlashDraftModel, DFlashSpecWrapper
     from dflash_compile.training.data import DraftDataset
     from dflash_compile.training.loops import humaneval_prompts
+    from pairs import resolve_pair
 
-    if args.pair_revision:
-        from pairs import pair_at_revision
-
-        target_dir, draft_dir = pair_at_revision(args.pair_revision)
-    elif args.target:
-        target_dir, draft_dir = args.target, args.draft
-    else:
-        from dflash_compile.assets import default_pair_paths
-
-        target_dir, draft_dir = default_pair_paths()
+    target_dir, draft_dir = resolve_pair(args.target, args.draft, args.pair_revision)
     t0 = time.time()
     tok = AutoTokenizer.from_pretrained(target_dir)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()

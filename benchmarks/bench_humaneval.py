@@ -61,9 +61,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, CompileConfig  # n
 from transformers.generation.utils import GenerationMixin  # noqa: E402
 
 from dflash_compile import DFlashDraftModel, DFlashSpecWrapper  # noqa: E402
-from dflash_compile.assets import default_pair_paths  # noqa: E402
 from dflash_compile.hf_format import transformers_assistant  # noqa: E402
-from pairs import pair_at_revision  # noqa: E402  (benchmarks/pairs.py)
+from pairs import resolve_pair  # noqa: E402  (benchmarks/pairs.py)
 
 METHODS = ("hf_greedy", "hf_compiled", "hf_prompt_lookup", "hf_dflash", "hf_assisted", "dflash_eager",
            "dflash_compiled")
@@ -268,14 +267,7 @@ def _graphs() -> int:
 @torch.no_grad()
 def run(args) -> dict:
     torch.manual_seed(0)
-    if (args.target is None) != (args.draft is None):
-        raise SystemExit("give both --target and --draft, or neither (the shipped default pair)")
-    if args.pair_revision and args.target:
-        raise SystemExit("give --target/--draft or --pair-revision, not both")
-    if args.pair_revision:
-        target_dir, draft_dir = pair_at_revision(args.pair_revision)
-    else:
-        target_dir, draft_dir = (args.target, args.draft) if args.target else default_pair_paths()
+    target_dir, draft_dir = resolve_pair(args.target, args.draft, args.pair_revision)
     methods = METHODS if args.methods == "all" else tuple(m.strip() for m in args.methods.split(",") if m.strip())
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:

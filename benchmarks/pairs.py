@@ -50,6 +50,21 @@ def pair_at_revision(rev: str) -> tuple[Path, Path]:
     return target, draft
 
 
+def resolve_pair(target: str | None, draft: str | None, revision: str | None) -> tuple[Path, Path]:
+    """A benchmark's ``--target/--draft`` (both or neither), ``--pair-revision`` or, with none, the shipped pair."""
+    if (target is None) != (draft is None):
+        raise SystemExit("give both --target and --draft, or neither")
+    if revision and target:
+        raise SystemExit("give --target/--draft or --pair-revision, not both")
+    if revision:
+        return pair_at_revision(revision)
+    if target:
+        return Path(target), Path(draft)
+    from dflash_compile.assets import default_pair_paths
+
+    return default_pair_paths()
+
+
 if __name__ == "__main__":
     if len(sys.argv) != 2:
         raise SystemExit(__doc__)

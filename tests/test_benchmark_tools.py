@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -33,3 +34,16 @@ def test_pair_at_revision_extracts_the_committed_pair():
     assert pair_at_revision("HEAD") == (target, draft)  # reused, not extracted again
     with pytest.raises(SystemExit, match="Needed a single revision"):
         pair_at_revision("no-such-revision")
+
+
+def test_resolve_pair_takes_one_source():
+    from pairs import resolve_pair
+
+    from dflash_compile.assets import default_pair_paths
+
+    assert resolve_pair(None, None, None) == default_pair_paths()
+    assert resolve_pair("t", "d", None) == (Path("t"), Path("d"))
+    with pytest.raises(SystemExit, match="both --target and --draft"):
+        resolve_pair("t", None, None)
+    with pytest.raises(SystemExit, match="not both"):
+        resolve_pair("t", "d", "HEAD")
