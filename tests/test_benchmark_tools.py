@@ -31,7 +31,9 @@ def test_pair_at_revision_extracts_the_committed_pair():
             committed = subprocess.run(["git", "-C", ROOT, "show", f"HEAD:{PAIR}/{name}/{f}"], capture_output=True,
                                        check=True).stdout
             assert (d / f).read_bytes() == committed
-    assert pair_at_revision("HEAD") == (target, draft)  # reused, not extracted again
+    stamp = (target / "config.json").stat().st_mtime_ns
+    assert pair_at_revision("HEAD") == (target, draft)
+    assert (target / "config.json").stat().st_mtime_ns == stamp  # reused, not extracted again
     with pytest.raises(SystemExit, match="Needed a single revision"):
         pair_at_revision("no-such-revision")
 
