@@ -262,21 +262,27 @@ class DFlashDraftModel(nn.Module):
         block_positions: torch.Tensor,
         ctx_k: torch.Tensor,
         ctx_v: torch.Tensor,
-        mask: torch.Tensor,
+        mask: torch.Tensor | list[torch.Tensor],
     ) -> torch.Tensor:
         """Training form of ``forward``: several blocks per row in one pass, under an explicit mask.
 
         ``block_ids``/``block_positions [B, Q]`` hold the concatenated blocks; ``ctx_k``/``ctx_v``
-        ``[L, B, S, Hkv, D]`` from ``context_kv``; ``mask [B, 1, Q, S + Q]`` bool (True = visible), the same
-        for every layer (full-attention drafters only). Returns logits ``[B, Q, V]`` at every block position
-        (a block's first position is its bonus token; the caller drops it).
+        ``[L, B, S, Hkv, D]`` from ``context_kv``; ``mask [B, 1, Q, S + Q]`` bool (True = visible), one for every
+        layer, or a list of one per layer (``training.objective.layer_masks``; a drafter with sliding-attention
+        layers needs the list). Returns logits ``[B, Q, V]`` at every block position (a block's first position is
+        its bonus token; the caller drops it).
         """
-        if "sliding_attention" in self.dflash_config.layer_types:
-            raise NotImplementedError("forward_blocks supports full-attention drafters only")
+        if isinstance(mask, torch.Tensor):
+            if "sliding_attention" in self.dflash_config.layer_types:
+                raise ValueError("this drafter has sliding-attention layers: give forward_blocks one mask per layer "
+                                 "(training.objective.layer_masks), not one for all")
+            mask = [mask] * len(self.layers)
+        if len(mask) != len(self.layers):
+            raise ValueError(f"{len(mask)} masks for {len(self.layers)} drafter layers")
         h = self.embed_tokens(block_ids)
         cos, sin = self.rotary_emb(h, block_positions)
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, ctx_k[i], ctx_v[i], mask)
+            h = layer(h, cos, sin, ctx_k[i], ctx_v[i], mask[i])
         return self.lm_head(self.norm(h))
 
     # ------------------------------------------------------------------ construction / IO

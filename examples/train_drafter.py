@@ -11,6 +11,7 @@ the latest) and the drafter to ``OUT`` in the published format (``DFlashDraftMod
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -27,6 +28,22 @@ def out_overwrites_target(out, target) -> bool:
     return any(p.exists() and os.path.samefile(p, target) for p in (out_path, *out_path.parents))
 
 
+def init_from(draft, source, name) -> None:
+    """Copy ``source``'s weights into ``draft``; they must be the same drafter up to its attention windows."""
+    mine, theirs = draft.dflash_config, source.dflash_config
+    same = {"block size": (mine.block_size, theirs.block_size),
+            "target_layer_ids": (tuple(mine.target_layer_ids), tuple(theirs.target_layer_ids)),
+            "mask_token_id": (mine.mask_token_id, theirs.mask_token_id)}
+    for what, (a, b) in same.items():
+        if a != b:
+            raise SystemExit(f"--init {name}: its {what} is {b}, this run's is {a}")
+    want, have = draft.state_dict(), source.state_dict()
+    if want.keys() != have.keys() or any(want[k].shape != have[k].shape for k in want):
+        raise SystemExit(f"--init {name}: its weights do not fit this drafter's shape (--layers, the target's "
+                         f"width): {sorted(set(have) ^ set(want))[:4] or 'shapes differ'}")
+    draft.load_state_dict(have)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True, help="HF model directory (model + tokenizer)")
@@ -36,6 +53,12 @@ def main(argv=None) -> int:
     p.add_argument("--block-size", type=int, default=8)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--target-layer-ids", type=int, nargs="*", default=None, help="default: the authors' rule")
+    p.add_argument("--sliding-window", type=int, default=None,
+                   help="every drafter layer attends to the last N positions only (trained and run that way), so "
+                        "contexts longer than the training sequences look like the ones it was trained on")
+    p.add_argument("--init", default=None,
+                   help="start from this drafter's weights (same shape, target layers and block size) with a fresh "
+                        "optimizer and schedule, e.g. to continue on other data or with --sliding-window")
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--blocks-per-seq", type=int, default=16)
@@ -59,6 +82,10 @@ def main(argv=None) -> int:
     p.add_argument("--save-dtype", default="float16", choices=["float16", "bfloat16", "float32"])
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    if args.sliding_window is not None and args.sliding_window < 1:
+        p.error(f"--sliding-window must be >= 1, got {args.sliding_window}")
+    if args.init and args.resume:
+        p.error("--init starts a new run and --resume continues one in --out: give one of them")
     if out_overwrites_target(args.out, args.target):
         p.error(f"--out {args.out} is (or is inside) the target directory {args.target}: the drafter's config.json "
                 f"and weights would overwrite the target's; choose another --out")
@@ -85,8 +112,12 @@ def main(argv=None) -> int:
             layer_ids = tuple(sorted({round(1 + i * (n_target - 2) / span) for i in range(args.layers)}))
             print(f"target_layer_ids: the default rule repeats layers on a {n_target}-layer target; "
                   f"using {list(layer_ids)}", flush=True)
+    window = {} if args.sliding_window is None else dict(layer_types=["sliding_attention"] * args.layers,
+                                                           sliding_window=args.sliding_window)
     draft = DFlashDraftModel.from_target(target, num_layers=args.layers, block_size=args.block_size,
-                                         mask_token_id=mask_id, target_layer_ids=layer_ids, seed=args.seed)
+                                         mask_token_id=mask_id, target_layer_ids=layer_ids, seed=args.seed, **window)
+    if args.init:
+        init_from(draft, DFlashDraftModel.from_pretrained(args.init, dtype=torch.float32), args.init)
     print(f"drafter: {sum(p.numel() for p in draft.parameters()) / 1e6:.2f}M parameters, "
           f"target_layer_ids {list(draft.dflash_config.target_layer_ids)}, block {args.block_size}, "
           f"mask_token_id {draft.mask_token_id}", flush=True)
@@ -94,6 +125,11 @@ def main(argv=None) -> int:
                       warmup_steps=args.warmup, gamma=args.gamma, checkpoint_every=args.checkpoint_every,
                       max_minutes=args.max_minutes, cache_features=args.cache_features, seed=args.seed)
     s = train_drafter(target, draft, data, cfg, args.out, resume=args.resume, save_dtype=getattr(torch, args.save_dtype))
+    info_path = Path(args.out) / "training_info.json"
+    info = json.loads(info_path.read_text())
+    info["command_line"] = vars(args)  # the data settings, --init and --sliding-window: what the trainer can't know
+    info["data_rows"] = len(data)
+    info_path.write_text(json.dumps(info, indent=2) + "\n")
     print(f"done: step {s['step']}/{s['steps']}, loss {s['final_loss']:.3f} (mean of last 20), "
           f"tau estimate {s['final_tau_estimate']:.2f}, gamma {s['gamma']}, wall {s['wall_s']:.0f}s -> {args.out}")
     return 0

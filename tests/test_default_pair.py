@@ -9,12 +9,18 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from dflash_compile import DFlashDraftModel, DFlashSpecWrapper
 from dflash_compile.assets import default_pair_paths
 
-# prompt -> floor on its acceptance length τ over MAX_NEW greedy tokens: a little below what was measured (3.32, 5.58,
-# 4.47; fp32, CPU), so that a drafting bug that only costs speed (a position off by one, a context row lost) fails.
+# Prompts as a user writes them for a code model: a signature and its docstring, ending at the closing quotes
+# (not at a newline: README, "Training", on why a bare newline token means column 0).
+# prompt -> floor on its acceptance length τ over MAX_NEW greedy tokens: a little below what was measured
+# (3.82, 3.50, 5.73 and 3.61; fp32, CPU), so that a drafting bug that only costs speed (a position off by one,
+# a context row lost) fails.
 TAU_FLOORS = {
-    "def fibonacci(n):\n": 3.1,
-    "import os\nimport sys\n\n\ndef main():\n": 5.3,
-    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n": 4.2,
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""': 3.6,
+    'import os\n\n\ndef list_python_files(root):\n'
+    '    """Return the paths of the .py files under ``root``, sorted."""': 3.3,
+    'class Stack:\n    """A last-in, first-out stack."""\n\n    def __init__(self):\n        self.items = []\n\n'
+    '    def push(self, item):\n        """Put ``item`` on top of the stack."""': 5.4,
+    'def parse_args(argv=None):\n    """Parse the command line."""': 3.4,
 }
 MAX_NEW = 64
 
@@ -47,3 +53,16 @@ def test_default_pair_speculates_as_well_as_measured(pair):
         assert torch.equal(out.sequences[:, :n], ref[:, :n]), text
         taus[text] = out.acceptance_length
     assert all(taus[t] >= floor for t, floor in TAU_FLOORS.items()), taus
+
+
+def test_default_pair_fits_the_package_budget_and_records_its_licences():
+    import json
+
+    target_dir, draft_dir = default_pair_paths()
+    files = [f for d in (target_dir, draft_dir) for f in d.iterdir() if f.is_file()]
+    assert sum(f.stat().st_size for f in files) <= 25 * 2**20
+    # the target was trained on permissively licensed Python only, and says so next to its weights
+    manifest = json.loads((target_dir / "corpus_manifest.json").read_text())
+    assert manifest["packages"] and manifest["tokens"] == sum(p["tokens"] for p in manifest["packages"])
+    assert all(p["permissive"] and p["license"] for p in manifest["packages"]), manifest["packages"]
+    assert (target_dir / "corpus_manifest.md").is_file()

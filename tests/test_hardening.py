@@ -330,3 +330,25 @@ def test_fingerprints_see_every_byte(tmp_path):
     key = cache_key("t", [corpus], DataConfig())
     corpus.write_text("x = 2\n")  # same size, new content
     assert cache_key("t", [corpus], DataConfig()) != key
+
+
+def test_train_drafter_init_copies_weights_into_a_sliding_drafter_and_refuses_another_shape(tmp_path, capsys):
+    cli = _train_cli()
+    target = tiny_target("qwen3", seed=0)
+    source = DFlashDraftModel.from_target(target, num_layers=2, block_size=4, target_layer_ids=[0, 1], seed=1)
+    sliding = DFlashDraftModel.from_target(target, num_layers=2, block_size=4, target_layer_ids=[0, 1], seed=2,
+                                           layer_types=["sliding_attention"] * 2, sliding_window=16)
+    cli.init_from(sliding, source, "src")
+    assert all(torch.equal(v, source.state_dict()[k]) for k, v in sliding.state_dict().items())
+    for other, what in [(dict(num_layers=2, block_size=8, target_layer_ids=[0, 1]), "block size"),
+                        (dict(num_layers=2, block_size=4, target_layer_ids=[1, 0]), "target_layer_ids"),
+                        (dict(num_layers=3, block_size=4, target_layer_ids=[0, 1]), "do not fit")]:
+        with pytest.raises(SystemExit, match=what):
+            cli.init_from(DFlashDraftModel.from_target(target, seed=3, **other), source, "src")
+    tdir = tmp_path / "target"
+    tdir.mkdir()
+    for argv, msg in [(["--init", "x", "--resume"], "--init starts a new run"),
+                      (["--sliding-window", "0"], "--sliding-window must be >= 1")]:
+        with pytest.raises(SystemExit):
+            cli.main(["--target", str(tdir), "--out", str(tmp_path / "out"), *argv])
+        assert msg in capsys.readouterr().err

@@ -161,7 +161,7 @@ def test_transformers_drafts_equal_ours(target, layers, tmp_path):
 
 def _default_pair(sliding=False):
     """The shipped trained pair (it accepts several drafts per step); ``sliding``: the same drafter weights with
-    its first layer sliding over 8 positions (one block)."""
+    its first layer sliding over 8 positions (one block) and the others full attention."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dflash_compile.assets import default_pair_paths
@@ -171,7 +171,8 @@ def _default_pair(sliding=False):
     prompt = AutoTokenizer.from_pretrained(target_dir)(["def fibonacci(n):\n"], return_tensors="pt")["input_ids"]
     draft = DFlashDraftModel.from_pretrained(draft_dir, dtype=torch.float32)
     if sliding:
-        kinds = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=8)
+        layers = draft.dflash_config.num_draft_layers
+        kinds = dict(layer_types=["sliding_attention"] + ["full_attention"] * (layers - 1), sliding_window=8)
         config = type(draft.config)(**{**draft.config.to_dict(), **kinds})
         windowed = DFlashDraftModel(config, dataclasses.replace(draft.dflash_config, **kinds))
         windowed.load_state_dict(draft.state_dict())

@@ -16,6 +16,7 @@ from dflash_compile.training import (
     block_mask,
     generate_continuations,
     latest_checkpoint,
+    layer_masks,
     position_weights,
     sample_anchors,
     train_drafter,
@@ -24,20 +25,26 @@ from dflash_compile.training.data import corpus_prompts, docstring_ends
 from tiny_models import VOCAB, tiny_target
 
 
+@pytest.mark.parametrize("window", [None, 3, 6])
 @pytest.mark.parametrize("anchors,num_ctx,B", [([[3, 5, 9]], 12, 4), ([[1, 1], [7, 10]], 11, 3), ([[6]], 7, 2)])
-def test_block_mask_is_exact(anchors, num_ctx, B):
+def test_block_mask_is_exact(anchors, num_ctx, B, window):
     anchors = torch.tensor(anchors)
-    m = block_mask(anchors, num_ctx, B)
+    m = block_mask(anchors, num_ctx, B, window)
     N, nb = anchors.shape
     assert m.shape == (N, 1, nb * B, num_ctx + nb * B) and m.dtype == torch.bool
     for n in range(N):
         for q in range(nb * B):
             j = q // B
+            q_pos = int(anchors[n, j]) + q % B
             for key in range(num_ctx + nb * B):
                 if key < num_ctx:  # context row at position `key`: visible iff strictly before the anchor
                     want = key < anchors[n, j]
+                    key_pos = key
                 else:  # block key: visible iff in the query's own block
                     want = (key - num_ctx) // B == j
+                    key_pos = int(anchors[n, (key - num_ctx) // B]) + (key - num_ctx) % B
+                if window is not None:  # and, in a sliding layer, less than `window` positions behind the query
+                    want = want and q_pos - key_pos < window
                 assert bool(m[n, 0, q, key]) == bool(want), (n, q, key)
 
 
@@ -61,17 +68,20 @@ def test_sample_anchors_in_range():
     assert bool((a[:, 1:] >= a[:, :-1]).all())
 
 
-def _pair(seed=0, block_size=4):
+def _pair(seed=0, block_size=4, **overrides):
     target = tiny_target("qwen3", seed=seed)
-    draft = DFlashDraftModel.from_target(target, num_layers=2, block_size=block_size, seed=seed + 1)
+    draft = DFlashDraftModel.from_target(target, num_layers=2, block_size=block_size, seed=seed + 1, **overrides)
     return target, draft
 
 
-def test_training_blocks_match_inference_forward():
+@pytest.mark.parametrize("layers", ["full", "sliding"])
+def test_training_blocks_match_inference_forward(layers):
     """A block in the one-pass training forward gives the same logits as the inference ``forward`` with the
-    context cache holding positions < anchor (``ctx_lens = anchor``)."""
+    context cache holding positions < anchor (``ctx_lens = anchor``); a sliding-window layer hides the same
+    keys in both (the window, 5, is shorter than most anchors here)."""
     torch.manual_seed(0)
-    target, draft = _pair()
+    sliding = {} if layers == "full" else dict(layer_types=["sliding_attention", "full_attention"], sliding_window=5)
+    target, draft = _pair(**sliding)
     B, T = draft.block_size, 24
     tokens = torch.randint(0, VOCAB - 1, (2, T))
     aux = AuxHiddenStates(target, draft.dflash_config.target_layer_ids)
@@ -82,7 +92,12 @@ def test_training_blocks_match_inference_forward():
         ck, cv = draft.context_kv(ctx, torch.arange(T).expand(2, T))
         anchors = torch.tensor([[3, 9, 15], [5, 6, 20]])
         ids, pos, _ = block_inputs(tokens, anchors, B, draft.mask_token_id)
-        train_logits = draft.forward_blocks(ids, pos, ck, cv, block_mask(anchors, T, B)).view(2, 3, B, -1)
+        masks = layer_masks(draft, anchors, T)
+        if layers == "sliding":
+            assert not torch.equal(masks[0], masks[1])
+            with pytest.raises(ValueError, match="one mask per layer"):
+                draft.forward_blocks(ids, pos, ck, cv, block_mask(anchors, T, B))
+        train_logits = draft.forward_blocks(ids, pos, ck, cv, masks).view(2, 3, B, -1)
         for n in range(2):
             for j in range(3):
                 a = int(anchors[n, j])

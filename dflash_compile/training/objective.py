@@ -60,18 +60,33 @@ def block_inputs(tokens: torch.Tensor, anchors: torch.Tensor, block_size: int, m
     return ids.flatten(1), positions.flatten(1), labels
 
 
-def block_mask(anchors: torch.Tensor, num_ctx: int, block_size: int) -> torch.Tensor:
+def block_mask(anchors: torch.Tensor, num_ctx: int, block_size: int, window: int | None = None) -> torch.Tensor:
     """``[N, 1, nb*B, num_ctx + nb*B]`` bool visibility (True = visible).
 
     A query in block ``j`` (anchor ``a_j``) sees context rows ``p < a_j`` and the ``B`` keys of block ``j``.
+    With a ``window`` (a sliding-attention layer), a query at position ``q`` also loses every key at position
+    ``q - window`` or before, as ``DFlashDraftModel.attention_mask`` hides them at inference.
     """
     N, nb = anchors.shape
     Q = nb * block_size
     block_of = torch.arange(Q, device=anchors.device) // block_size  # [Q]
     q_anchor = anchors[:, block_of]  # [N, Q]
-    ctx = torch.arange(num_ctx, device=anchors.device)[None, None, :] < q_anchor[:, :, None]  # [N, Q, S]
+    key_pos = torch.arange(num_ctx, device=anchors.device)[None, None, :]
+    ctx = key_pos < q_anchor[:, :, None]  # [N, Q, S]
     own = (block_of[:, None] == block_of[None, :]).expand(N, Q, Q)
+    if window is not None:
+        q_pos = q_anchor + torch.arange(Q, device=anchors.device) % block_size  # [N, Q]
+        ctx = ctx & (q_pos[:, :, None] - key_pos < window)
+        own = own & (q_pos[:, :, None] - q_pos[:, None, :] < window)
     return torch.cat([ctx, own], dim=-1)[:, None]
+
+
+def layer_masks(draft: DFlashDraftModel, anchors: torch.Tensor, num_ctx: int) -> list[torch.Tensor]:
+    """``block_mask`` for each drafter layer: sliding-attention layers with the drafter's window."""
+    cfg = draft.dflash_config
+    masks = {kind: block_mask(anchors, num_ctx, draft.block_size, cfg.sliding_window if kind == "sliding_attention"
+                              else None) for kind in set(cfg.layer_types)}
+    return [masks[kind] for kind in cfg.layer_types]
 
 
 def dflash_loss(
@@ -96,8 +111,8 @@ def dflash_loss(
     positions = torch.arange(T, device=tokens.device).expand(N, T)
     ctx_k, ctx_v = draft.context_kv(ctx, positions)  # [L, N, T, Hkv, D]
     ids, pos, labels = block_inputs(tokens, anchors, B, draft.mask_token_id)
-    mask = block_mask(anchors, T, B)
-    logits = draft.forward_blocks(ids, pos, ctx_k, ctx_v, mask).view(N, nb, B, -1)[:, :, 1:]  # [N, nb, B-1, V]
+    logits = draft.forward_blocks(ids, pos, ctx_k, ctx_v, layer_masks(draft, anchors, T))
+    logits = logits.view(N, nb, B, -1)[:, :, 1:]  # [N, nb, B-1, V]
     ce = F.cross_entropy(logits.float().flatten(0, 2), labels.flatten(), reduction="none").view(N, nb, B - 1)
     w = position_weights(B, gamma, tokens.device) * valid[:, None, None].float()  # [N, nb, B-1] by broadcast
     w = w.expand_as(ce)
