@@ -105,6 +105,10 @@ MUTANTS = (
            (("torch.where(valid, slots, TRASH_SLOT)", "torch.where(valid, slots, 0)"),),
            (_DRAFT_QWEN3,),
            "padded and rejected positions write into a real slot instead of the trash slot"),
+    Mutant("training_mask_ignores_window", "dflash_compile/training/objective.py",
+           (("draft.block_size, cfg.sliding_window if kind", "draft.block_size, None if kind"),),
+           ("tests/test_training.py::test_training_blocks_match_inference_forward[sliding]",),
+           "drafter training lets a sliding-attention layer see past its window (inference does not)"),
 )
 
 
