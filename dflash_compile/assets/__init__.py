@@ -1,8 +1,9 @@
 """The shipped default pair: a small Python code-completion target and its DFlash drafter.
 
-Trained here from scratch on the Python standard library's sources (PSF License) by
-``examples/train_target.py`` and ``examples/train_drafter.py`` (commands, seeds and wall times in README,
-"Training"). Stored in fp16; load as fp32 on CPU.
+Trained here from scratch on permissively licensed Python (the standard library and 56 installed packages; the
+licence of each is in ``default_pair/target/corpus_manifest.md``) by ``examples/train_target.py`` and
+``examples/train_drafter.py`` (commands, seeds and wall times in README, "Training"). Stored in fp16; load as
+fp32 on CPU.
 """
 
 from __future__ import annotations
