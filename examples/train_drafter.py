@@ -44,6 +44,17 @@ def init_from(draft, source, name) -> None:
     draft.load_state_dict(have)
 
 
+def earlier_runs(args) -> list[dict]:
+    """The records a continued run keeps ahead of its own in ``training_info.json``: those of ``--init``'s
+    drafter, or of ``--out`` with ``--resume`` (one record per invocation; an older single record is a list of one)."""
+    source = args.init if args.init else args.out if args.resume else None
+    path = Path(source) / "training_info.json" if source else None
+    if path is None or not path.is_file():
+        return []
+    prev = json.loads(path.read_text())
+    return prev if isinstance(prev, list) else [prev]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True, help="HF model directory (model + tokenizer)")
@@ -124,12 +135,13 @@ def main(argv=None) -> int:
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch, blocks_per_seq=args.blocks_per_seq, lr=args.lr,
                       warmup_steps=args.warmup, gamma=args.gamma, checkpoint_every=args.checkpoint_every,
                       max_minutes=args.max_minutes, cache_features=args.cache_features, seed=args.seed)
+    runs = earlier_runs(args)  # read before the trainer writes its own record over the file
     s = train_drafter(target, draft, data, cfg, args.out, resume=args.resume, save_dtype=getattr(torch, args.save_dtype))
     info_path = Path(args.out) / "training_info.json"
     info = json.loads(info_path.read_text())
     info["command_line"] = vars(args)  # the data settings, --init and --sliding-window: what the trainer can't know
     info["data_rows"] = len(data)
-    info_path.write_text(json.dumps(info, indent=2) + "\n")
+    info_path.write_text(json.dumps(runs + [info], indent=2) + "\n")
     print(f"done: step {s['step']}/{s['steps']}, loss {s['final_loss']:.3f} (mean of last 20), "
           f"tau estimate {s['final_tau_estimate']:.2f}, gamma {s['gamma']}, wall {s['wall_s']:.0f}s -> {args.out}")
     return 0

@@ -352,3 +352,22 @@ def test_train_drafter_init_copies_weights_into_a_sliding_drafter_and_refuses_an
         with pytest.raises(SystemExit):
             cli.main(["--target", str(tdir), "--out", str(tmp_path / "out"), *argv])
         assert msg in capsys.readouterr().err
+
+
+def test_train_drafter_keeps_the_earlier_runs_records(tmp_path):
+    import argparse
+
+    earlier_runs = _train_cli().earlier_runs
+    first, second = {"step": 10}, {"step": 20}
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "training_info.json").write_text(json.dumps(first))  # a single record, as older runs wrote
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "training_info.json").write_text(json.dumps([first, second]))
+
+    def runs(**kw):
+        return earlier_runs(argparse.Namespace(**{"init": None, "resume": False, "out": tmp_path / "b", **kw}))
+
+    assert runs() == []  # a new run starts its own list
+    assert runs(resume=True) == [first, second]  # --resume keeps --out's records
+    assert runs(init=tmp_path / "a") == [first]  # --init carries the source drafter's records
+    assert runs(resume=True, out=tmp_path / "missing") == []
