@@ -79,7 +79,7 @@ def main(argv=None) -> int:
     report = {"target": str(target_dir), "draft": str(draft_dir), "block_size": spec.block_size,
               "max_new": args.max_new}
     with torch.no_grad():
-        prompts = [tok(x.rstrip() if args.rstrip else x)["input_ids"] for x in humaneval_prompts(args.first, args.last)]
+        prompts = [tok(x)["input_ids"] for x in humaneval_prompts(args.first, args.last, rstrip=args.rstrip)]
         report["humaneval"] = dict(measure(spec, target, prompts, args.max_new, "HumanEval"),
                                    first=args.first, last=args.last, rstrip=args.rstrip)
         if args.data:

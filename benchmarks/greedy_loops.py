@@ -52,7 +52,7 @@ def main(argv=None) -> int:
     t0 = time.time()
     tok = AutoTokenizer.from_pretrained(args.target)
     model = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
-    prompts = [x.rstrip() if args.rstrip else x for x in humaneval_prompts(args.first, args.last)]
+    prompts = humaneval_prompts(args.first, args.last, rstrip=args.rstrip)
     completions = greedy_completions(model, tok, prompts, args.max_new)
     report = loop_report(completions)
     report.update(target=args.target, rstrip=args.rstrip, first=args.first, last=args.last, max_new=args.max_new,

@@ -8,9 +8,9 @@ compiled DFlash step, side by side.
 
 Prints the completion once, tokens/s of each (median of ``--runs`` rounds, the two methods interleaved, after
 an untimed warm-up run; one CPU thread by default), the speed-up, whether the two outputs are identical, the
-acceptance length and how often each draft position was accepted. The first run compiles the step graph (a line says so); Inductor's compiled artefacts are cached
-under ``build/inductor-cache`` in the repository (``TORCHINDUCTOR_CACHE_DIR`` overrides), so later runs skip
-most of that work.
+acceptance length and how often each draft position was accepted. The first run compiles the step graph (a
+line says so); Inductor's compiled artefacts are cached under ``build/inductor-cache`` in the repository
+(``TORCHINDUCTOR_CACHE_DIR`` overrides), so later runs skip most of that work.
 """
 
 from __future__ import annotations

@@ -226,3 +226,6 @@ def test_humaneval_prompts_load_offline():
 
     prompts = humaneval_prompts(0, 39)
     assert len(prompts) == 40 and prompts[0].lstrip().startswith("from typing import List")
+    stripped = humaneval_prompts(0, 39, rstrip=True)
+    assert all(p.endswith("\n") for p in prompts) and stripped == [p.rstrip() for p in prompts]
+    assert not any(p.endswith("\n") for p in stripped)

