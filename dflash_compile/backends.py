@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import unittest.mock
 
 import torch
 from torch._inductor import config as inductor_config
@@ -56,17 +57,40 @@ def _is_dynamic(gm: torch.fx.GraphModule, example_inputs) -> bool:
     return False
 
 
-def dflash_passes(gm: torch.fx.GraphModule, example_inputs) -> torch.fx.GraphModule | None:
-    """Pre-dispatch ATen of ``gm`` with the DFlash passes applied, or None for a dynamic-shape graph."""
+def _retrace(gm: torch.fx.GraphModule, example_inputs, decomposition_table=None) -> torch.fx.GraphModule:
+    """``gm`` retraced to pre-dispatch ATen (with ``decomposition_table`` applied). A static graph is traced outside
+    dynamo's tracing context (make_fx would otherwise fakify its inputs in dynamo's shape env with fresh,
+    source-less symbols); a dynamic one in dynamo's own fake mode, so its sizes stay dynamo's symbols (the
+    ranges and guards dynamo recorded for them)."""
+    if _is_dynamic(gm, example_inputs):
+        # Dynamo hands the backend real tensors and keeps their symbolic sizes in the tracing context: fakify them
+        # there, as AOTAutograd does, so the retraced graph's sizes are dynamo's symbols.
+        context = torch._guards.TracingContext.get()
+        fake_mode = context.fake_mode
+
+        def fakify(x):
+            if not isinstance(x, torch.Tensor) or isinstance(x, torch._subclasses.FakeTensor):
+                return x
+            symbolic = context.tensor_to_context.get(x)
+            return fake_mode.from_tensor(x, symbolic_context=symbolic, source=symbolic and symbolic.tensor_source,
+                                         trace=False)
+
+        fakes = [fakify(x) for x in example_inputs]
+        # The graph's own constants (get_attr) are real tensors: the mode fakifies them as it meets them.
+        with fake_mode, torch._guards.tracing(None), unittest.mock.patch.object(fake_mode, "allow_non_fake_inputs",
+                                                                                True):
+            return make_fx(gm, decomposition_table=decomposition_table, pre_dispatch=True)(*fakes)
+    with torch._guards.tracing(None):
+        return make_fx(gm, decomposition_table=decomposition_table, pre_dispatch=True,
+                       tracing_mode="fake")(*example_inputs)
+
+
+def dflash_passes(gm: torch.fx.GraphModule, example_inputs) -> torch.fx.GraphModule:
+    """Pre-dispatch ATen of ``gm`` with the DFlash passes applied (static or dynamic shapes)."""
     from .passes import apply_passes
 
-    if _is_dynamic(gm, example_inputs):
-        _say_once("dynamic", "dflash: graph has dynamic shapes; DFlash passes skipped, compiling it unchanged")
-        return None
-    # Outside dynamo's tracing context: make_fx would otherwise fakify the inputs in dynamo's shape env with
-    # fresh, source-less symbols, and the passes' fake-mode checks would see two modes.
+    aten_gm = _retrace(gm, example_inputs)
     with torch._guards.tracing(None):
-        aten_gm = make_fx(gm, pre_dispatch=True, tracing_mode="fake")(*example_inputs)
         counts = apply_passes(aten_gm)
     log.info("dflash: replacements %s", counts)
     return aten_gm
@@ -86,8 +110,7 @@ def lower(gm: torch.fx.GraphModule, example_inputs) -> torch.fx.GraphModule:
         _say_once(f"no-lowering-{sorted(kinds)}", "dflash: no lowering for graphs on %s; %s run as custom ops",
                   sorted(kinds), sorted(map(str, ops)))
         return gm
-    with torch._guards.tracing(None):
-        return make_fx(gm, decomposition_table=table, pre_dispatch=True, tracing_mode="fake")(*example_inputs)
+    return _retrace(gm, example_inputs, table)
 
 
 def _inductor(gm, example_inputs, options):
@@ -95,14 +118,17 @@ def _inductor(gm, example_inputs, options):
 
     kinds = {x.device.type for x in example_inputs if isinstance(x, torch.Tensor)}
     device_options = CPU_INDUCTOR_OPTIONS if kinds == {"cpu"} else {}
+    # compile_fx reads a graph whose placeholders carry ``val`` as an exported one and, with the C++ wrapper, drops
+    # its SymInt inputs: make_fx's placeholders lose ``val`` (dynamo's own graphs carry none), so the inputs count.
+    for node in gm.graph.find_nodes(op="placeholder"):
+        node.meta.pop("val", None)
     with inductor_config.patch({**INDUCTOR_OPTIONS, **device_options, **(options or {})}):
         return compile_fx(gm, example_inputs)
 
 
 def dflash_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None):
     """``torch.compile(..., backend="dflash")``: DFlash passes, device lowerings, then Inductor."""
-    passed = dflash_passes(gm, example_inputs)
-    return _inductor(lower(passed, example_inputs) if passed is not None else gm, example_inputs, options)
+    return _inductor(lower(dflash_passes(gm, example_inputs), example_inputs), example_inputs, options)
 
 
 def neuron_sdk_available() -> bool:

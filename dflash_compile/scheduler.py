@@ -430,7 +430,10 @@ class Scheduler:
             longest = max(longest, r.seq_len + spec.verify_len)
             self._grow(i, r, r.seq_len + spec.verify_len)
         pages = spec.context_bucket(longest)
-        return bucket, (batch.block[:bucket], batch.seq_lens[:bucket], batch.tables[:bucket, :pages],
+        tables = batch.tables[:bucket, :pages]
+        if spec._dynamic_context and spec._compiled_call_impl is not None:
+            torch._dynamo.mark_dynamic(tables, 1, min=2, max=max(2, cache.blocks_per_seq))
+        return bucket, (batch.block[:bucket], batch.seq_lens[:bucket], tables,
                         batch.active[:bucket], cache.target_pools, cache.draft_pool)
 
     def _grow(self, i: int, r: _Request, num_tokens: int) -> None:

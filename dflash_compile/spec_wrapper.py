@@ -200,6 +200,7 @@ class DFlashSpecWrapper(nn.Module):
         self._layout = None  # ((device, dtype), what each target layer caches: kv_cache.probe_layout)
         self.max_cache_bytes = max_cache_bytes
         self.num_speculative_tokens = num_speculative_tokens or self.block_size - 1
+        self._dynamic_context = False
         self.scheduler = Scheduler(self)
 
     @property
@@ -265,6 +266,8 @@ class DFlashSpecWrapper(nn.Module):
         """``nn.Module.compile`` with ``dynamic=False`` by default: every (batch, context) bucket is its own
         static graph, never an automatically dynamic one."""
         kwargs.setdefault("dynamic", False)
+        import os
+        self._dynamic_context = os.environ.get("DYN", "1") == "1"
         super().compile(*args, **kwargs)
 
     # ------------------------------------------------------------------ the step
@@ -477,6 +480,8 @@ class DFlashSpecWrapper(nn.Module):
     def context_bucket(self, num_tokens: int) -> int:
         """Pages of the smallest context bucket that holds ``num_tokens`` positions (capped at capacity)."""
         need = -(-min(num_tokens, self.max_seq_len) // self.page_size)
+        if self._dynamic_context:
+            return min(max(need, 2), -(-self.max_seq_len // self.page_size))
         return next(b for b in self.context_buckets if b >= need)
 
     def generate(

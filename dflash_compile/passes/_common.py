@@ -10,6 +10,7 @@ from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.pattern_matcher import stable_topological_sort
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 aten = torch.ops.aten
 
@@ -31,6 +32,12 @@ def bound_args(node: torch.fx.Node) -> dict:
 def val(node):
     """The fake value of a node (``meta["val"]``), or None."""
     return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+
+
+def same_shape(a, b) -> bool:
+    """``a == b`` for shapes that may hold symbolic sizes, decided without adding a guard: sizes that are not
+    provably equal (for every value their symbols may take) do not match."""
+    return len(a) == len(b) and all(statically_known_true(x == y) for x, y in zip(a, b))
 
 
 class DFlashPass(CustomGraphPass):

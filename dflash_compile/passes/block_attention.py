@@ -35,7 +35,7 @@ import torch
 from torch.fx import Node
 
 from ..lowerings import ops  # noqa: F401  (registers torch.ops.dflash.*)
-from ._common import DFlashPass, bound_args, val
+from ._common import DFlashPass, bound_args, same_shape, val
 
 aten = torch.ops.aten
 
@@ -278,8 +278,8 @@ def _extra_check(q: Node, mask: Node, src: _Source, read: _Read) -> bool:
     return (
         mv.dtype == torch.bool
         and pv.dim() == len(src.selects) + 3
-        and pv.shape[-1] == D
+        and same_shape(pv.shape[-1:], (D,))
         and Hq % Hkv == 0
-        and tuple(rv.shape) == (B, val(read.block_table).shape[1] * read.page_size)
+        and same_shape(rv.shape, (B, val(read.block_table).shape[1] * read.page_size))
         and pv.dtype == qv.dtype
     )

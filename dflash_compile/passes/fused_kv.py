@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch._inductor.pattern_matcher import Match, PatternMatcherPass, register_replacement
 
 from ..lowerings import ops  # noqa: F401  (registers torch.ops.dflash.*)
-from ._common import DFlashPass, trace_pre_dispatch, val
+from ._common import DFlashPass, same_shape, trace_pre_dispatch, val
 
 
 # ---- search pattern (plain torch)
@@ -53,10 +53,10 @@ def _extra_check(match: Match) -> bool:
     B, S, H = ctx.shape
     L, D = k_norm.shape
     return (
-        weight.shape[1] == H
+        same_shape(weight.shape[1:], (H,))
         and weight.shape[0] % (2 * L * D) == 0
         and D % 2 == 0
-        and tuple(cos.shape) == tuple(sin.shape) == (B, S, D)
+        and same_shape(cos.shape, (B, S, D)) and same_shape(sin.shape, (B, S, D))
         and ctx.dtype == weight.dtype == k_norm.dtype == cos.dtype == sin.dtype
     )
 

@@ -12,10 +12,11 @@ pool: the step's trash slot), so the rewrite keeps the values exactly.
 from __future__ import annotations
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch._inductor.pattern_matcher import Match, PatternMatcherPass, register_replacement
 
 from ..lowerings import ops  # noqa: F401  (registers torch.ops.dflash.*)
-from ._common import DFlashPass, trace_pre_dispatch, val
+from ._common import DFlashPass, same_shape, trace_pre_dispatch, val
 
 aten = torch.ops.aten
 
@@ -61,7 +62,7 @@ def _check(lead: int):
 def _broadcasts_to(shape, full) -> bool:
     """``shape`` is ``full`` with some leading size-1 dims dropped (what ``pool[..., slots] = v`` accepts)."""
     k = len(full) - len(shape)
-    return k >= 0 and shape == full[k:] and all(d == 1 for d in full[:k])
+    return k >= 0 and same_shape(shape, full[k:]) and all(statically_known_true(d == 1) for d in full[:k])
 
 
 class PagedKVWritePass(DFlashPass):
