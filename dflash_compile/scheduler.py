@@ -8,8 +8,9 @@ that arrive separately share the batch, each at the next step after it arrives. 
 (tokens, its streamer's calls, its finish) is its own: a streamer that raises fails that request alone, and the
 others' rows never see its tokens (row outputs do not depend on other rows). An error the driver cannot pin on
 one request (the step itself failing) fails every request in flight, frees all their blocks and leaves the
-wrapper usable. Compiled steps of all wrappers run under one process-wide lock: dynamo's guard stance is global
-state, and a warm step evaluates only the guards that tell its own graphs apart.
+wrapper usable. A compiled wrapper's steps call their key's ahead-of-time compiled graph (``compiled_step.py``)
+directly, with no dynamo frame evaluation and no global state, so wrappers step concurrently; only tracing a new
+graph takes a process-wide lock.
 
 A request's KV blocks and recurrent-state slot are freed when it finishes, fails or is cancelled. Pools grow
 (contents kept) when the requests in flight need more blocks than they hold; compiled, they are allocated at
@@ -18,7 +19,6 @@ capacity once, so a pool's shape never changes under a compiled graph.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import queue
 import threading
@@ -30,7 +30,6 @@ import torch
 
 from .generation import DFlashStats, GenerationArgs
 
-_COMPILED_STEPS = threading.Lock()  # one compiled step at a time, process-wide (the guard stance is global)
 _END = object()
 
 
@@ -128,7 +127,6 @@ class _Batch:
         self.top_p = torch.ones(num_rows, device=device)
         self.state_slots = torch.zeros(num_rows, **long)  # each row's slot in the recurrent-state pools
         self.draft_probs: torch.Tensor | None = None  # [num_rows, K, V], allocated when a row samples
-        self.warm: set[tuple] = set()  # step keys (batch bucket, context pages, sampled) already run
 
     _BUFFERS = ("block", "seq_lens", "tables", "active", "do_sample", "temperature", "top_k", "top_p", "state_slots",
                 "draft_probs")
@@ -273,15 +271,6 @@ class Scheduler:
                 r.error = error
                 self._finish(r)
 
-    @staticmethod
-    def _dynamo_settings():
-        # Each (batch bucket, context bucket, sampled) key is one static graph, and every wrapper shares forward's
-        # code object, hence one dynamo cache: lift the per-code-object limit to dynamo's overall one. (Global
-        # config: patched only inside the process-wide step lock, so patches never interleave.)
-        cfg = torch._dynamo.config
-        return cfg.patch(recompile_limit=max(cfg.recompile_limit, cfg.accumulated_recompile_limit),
-                         automatic_dynamic_shapes=False)
-
     def _release(self, r: _Request) -> None:
         if self.cache is not None:
             self.cache.free(r.index)
@@ -313,7 +302,7 @@ class Scheduler:
     def _pools(self, incoming: list[_Request]):
         """The pools, with room for every request in flight (at capacity when compiled)."""
         spec = self.spec
-        if spec._compiled_call_impl is not None:
+        if spec.compiled:
             return spec.kv_cache()
         live = (self.batch.rows if self.batch is not None else []) + incoming
         need = sum(-(-min(spec.max_seq_len, len(r.prompt) + r.args.max_new_tokens + spec.verify_len) // spec.page_size)
@@ -388,17 +377,11 @@ class Scheduler:
         sampled = any(r.args.do_sample for r in rows)
         sampling = (self._sampling(bucket),) if sampled else ()
         states = {"state_slots": batch.state_slots[:bucket]} if cache.has_states else {}
-        if spec._compiled_call_impl is None:
-            tokens, num_accepted, next_block, next_probs = spec(*step_inputs, *sampling, **states)
+        if spec.compiled:
+            key = spec._steps.key(bucket, step_inputs[2].shape[1], sampled)
+            tokens, num_accepted, next_block, next_probs = spec._steps(key, (*step_inputs, *sampling), states)
         else:
-            # A key that already ran in this driver session has its compiled graph in dynamo's cache: only the
-            # guards that tell the cached graphs apart need to run (one graph per key, told apart by input shapes).
-            key = (bucket, step_inputs[2].shape[1], sampled)
-            with _COMPILED_STEPS, self._dynamo_settings(), (
-                    torch.compiler.set_stance(skip_guard_eval_unsafe=True) if key in batch.warm
-                    else contextlib.nullcontext()):
-                tokens, num_accepted, next_block, next_probs = spec(*step_inputs, *sampling, **states)
-            batch.warm.add(key)
+            tokens, num_accepted, next_block, next_probs = spec(*step_inputs, *sampling, **states)
         drafts = any(r.args.output_drafts for r in rows)
         verified = batch.block[:bucket, 1:].tolist() if drafts else None  # before it is overwritten
         batch.block[:bucket] = next_block
@@ -430,10 +413,8 @@ class Scheduler:
             longest = max(longest, r.seq_len + spec.verify_len)
             self._grow(i, r, r.seq_len + spec.verify_len)
         pages = spec.context_bucket(longest)
-        tables = batch.tables[:bucket, :pages]
-        if spec._dynamic_context and spec._compiled_call_impl is not None:
-            torch._dynamo.mark_dynamic(tables, 1, min=2, max=max(2, cache.blocks_per_seq))
-        return bucket, (batch.block[:bucket], batch.seq_lens[:bucket], tables,
+        # Every step input has row-major strides: a compiled step's guards (and a saved graph's) match on strides too.
+        return bucket, (batch.block[:bucket], batch.seq_lens[:bucket], _dense(batch.tables[:bucket, :pages]),
                         batch.active[:bucket], cache.target_pools, cache.draft_pool)
 
     def _grow(self, i: int, r: _Request, num_tokens: int) -> None:
@@ -462,7 +443,7 @@ class Scheduler:
         u = self._uniforms(batch.rows, bucket, prefill=False).to(batch.block.device)
         return self.spec.sampling_inputs(
             batch.do_sample[:bucket], batch.temperature[:bucket], batch.top_k[:bucket], batch.top_p[:bucket],
-            batch.draft_probs[:bucket], u[:, :K], u[:, K], u[:, K + 1:],
+            batch.draft_probs[:bucket], _dense(u[:, :K]), _dense(u[:, K]), _dense(u[:, K + 1:]),
         )
 
     def _emit(self, r: _Request, token: int) -> bool:
@@ -484,6 +465,11 @@ class Scheduler:
         elif len(r.new) >= args.max_new_tokens or len(r.prompt) + len(r.new) >= max_seq_len:
             r.finish_reason = "length"
         return r.finish_reason is not None
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """A row-major copy (``contiguous()`` keeps a view whose size-1 dims have other strides)."""
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def ends_with_stop_string(tokenizer, tokens: list[int], stop_strings: tuple[str, ...]) -> bool:

@@ -200,7 +200,7 @@ class DFlashSpecWrapper(nn.Module):
         self._layout = None  # ((device, dtype), what each target layer caches: kv_cache.probe_layout)
         self.max_cache_bytes = max_cache_bytes
         self.num_speculative_tokens = num_speculative_tokens or self.block_size - 1
-        self._dynamic_context = False
+        self._steps = None  # CompiledSteps once compile() is called
         self.scheduler = Scheduler(self)
 
     @property
@@ -262,13 +262,80 @@ class DFlashSpecWrapper(nn.Module):
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def compile(self, *args, **kwargs):
-        """``nn.Module.compile`` with ``dynamic=False`` by default: every (batch, context) bucket is its own
-        static graph, never an automatically dynamic one."""
-        kwargs.setdefault("dynamic", False)
-        import os
-        self._dynamic_context = os.environ.get("DYN", "1") == "1"
-        super().compile(*args, **kwargs)
+    def compile(self, backend="dflash", *, cache_dir=None, on_miss: str = "compile", mode=None,
+                options: dict | None = None, fullgraph: bool = True, dynamic=None, **kwargs) -> None:
+        """Run the step compiled by ``backend`` (a registered name such as ``"dflash"``, ``"dflash_neuron"``,
+        ``"inductor"``, or a backend callable) from now on: one graph per step key — batch bucket, ``K``, greedy or
+        sampled — serving every context length up to ``max_seq_len`` (``dflash_neuron``: one per context bucket
+        too, its graphs are static). Graphs are compiled when a key is first met, or up front by
+        :meth:`precompile`, and saved in the compile cache (``cache_dir``; default ``$DFLASH_COMPILE_CACHE_DIR``,
+        else ``~/.cache/dflash_compile``), which later processes load from instead of compiling. ``on_miss``: what
+        a step whose key has no graph yet does — ``"compile"`` it (default), run the ``"eager"`` step for that call,
+        or raise (``"error"``). ``mode``/``options`` go to the backend. See ``compiled_step.py``.
+
+        The step is always one full graph (``fullgraph=False`` is refused) and its shapes are fixed by the key
+        (``dynamic`` other than None/False is refused)."""
+        from .compiled_step import CompiledSteps
+
+        if not fullgraph:
+            raise ValueError("the DFlash step compiles as one full graph: fullgraph=False is not supported")
+        if dynamic not in (None, False):
+            raise ValueError("dynamic shapes are chosen per dimension by the wrapper (the context length); "
+                             "leave dynamic unset")
+        if kwargs:
+            raise TypeError(f"compile() got unexpected arguments {sorted(kwargs)}")
+        self._steps = CompiledSteps(self, backend, cache_dir=cache_dir, on_miss=on_miss, mode=mode, options=options)
+
+    @property
+    def compiled(self) -> bool:
+        return self._steps is not None
+
+    def precompile(self, batch_sizes=None, *, sampling: bool | str = False, progress: bool = True) -> dict:
+        """Compile (or load from the compile cache) every step graph a deployment will use, now, so that no
+        request ever waits for a compile. ``batch_sizes``: the batch sizes to serve (default: every batch bucket;
+        each is rounded up to its bucket); ``sampling``: False (greedy steps), True (sampled steps) or
+        ``"both"``. Static-context backends (``dflash_neuron``) compile every context bucket too. A progress bar
+        (tqdm) shows each key; returns ``{str(key): (how, seconds)}`` with ``how`` ``"compiled"`` or
+        ``"loaded"``. Call :meth:`compile` first."""
+        from tqdm.auto import tqdm
+
+        if self._steps is None:
+            raise RuntimeError("precompile() needs a backend: call spec.compile(backend=...) first")
+        if sampling not in (False, True, "both"):
+            raise ValueError(f"sampling={sampling!r}: expected False, True or 'both'")
+        buckets = sorted({self.batch_bucket(b) for b in batch_sizes}) if batch_sizes else list(self.batch_buckets)
+        bad = [b for b in (batch_sizes or []) if not isinstance(b, int) or not 1 <= b <= self.max_batch_size]
+        if bad:
+            raise ValueError(f"batch_sizes {bad} are outside [1, max_batch_size={self.max_batch_size}]")
+        modes = [False, True] if sampling == "both" else [bool(sampling)]
+        pages = [None] if self._steps.key(1, 0, False).context_pages is None else list(self.context_buckets)
+        keys = [(b, p, m) for b in buckets for m in modes for p in pages]
+        cache = self.kv_cache()
+        report = {}
+        with tqdm(keys, desc="dflash precompile", unit="graph", disable=not progress) as bar:
+            for b, p, m in bar:
+                key = self._steps.key(b, p or 2, m)
+                bar.set_postfix_str(str(key))
+                args, kwargs = self._example_step_inputs(cache, b, key.context_pages or 2, m)
+                how, seconds = self._steps.prepare(key, args, kwargs)
+                report[str(key)] = (how, round(seconds, 2))
+                bar.write(f"{key}: {how} in {seconds:.1f} s")
+        return report
+
+    def _example_step_inputs(self, cache, batch: int, pages: int, sampled: bool):
+        """Step inputs of a key's shapes (every row inactive), to trace its graph."""
+        device, V, K = cache.device, self.draft.config.vocab_size, self.num_speculative_tokens
+        long = dict(dtype=torch.long, device=device)
+        args = [torch.zeros(batch, K + 1, **long), torch.zeros(batch, **long),
+                torch.full((batch, pages), -1, **long), torch.zeros(batch, dtype=torch.bool, device=device),
+                cache.target_pools, cache.draft_pool]
+        if sampled:
+            zeros = functools.partial(torch.zeros, device=device)
+            args.append(self.sampling_inputs(
+                zeros(batch, dtype=torch.bool), zeros(batch), zeros(batch, dtype=torch.long), zeros(batch),
+                zeros(batch, K, V), zeros(batch, K), zeros(batch), zeros(batch, K)))
+        kwargs = {"state_slots": torch.zeros(batch, **long)} if cache.has_states else {}
+        return tuple(args), kwargs
 
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
@@ -480,8 +547,8 @@ class DFlashSpecWrapper(nn.Module):
     def context_bucket(self, num_tokens: int) -> int:
         """Pages of the smallest context bucket that holds ``num_tokens`` positions (capped at capacity)."""
         need = -(-min(num_tokens, self.max_seq_len) // self.page_size)
-        if self._dynamic_context:
-            return min(max(need, 2), -(-self.max_seq_len // self.page_size))
+        if self._steps is not None and self._steps.key(1, need, False).context_pages is None:
+            return min(max(need, 2), -(-self.max_seq_len // self.page_size))  # one graph for all: the live pages
         return next(b for b in self.context_buckets if b >= need)
 
     def generate(

@@ -1,0 +1,154 @@
+"""Where the seconds of a compile go: a cold and a warm start of the compiled DFlash step, phase by phase.
+
+    python benchmarks/bench_compile.py [--target DIR --draft DIR] [--backend dflash] [--batch 1] [--repeats 3]
+
+Each scenario runs in a fresh process (``--worker``), one CPU thread, and times ``spec.compile()`` up to the first
+generated tokens (8 new tokens after an 8-token prompt), with the phases torch records (``compile_times``) plus the
+DFlash ones:
+
+- ``cold``: an empty compile cache (and so an empty Inductor cache inside it): dynamo traces the step, the DFlash
+  passes and the lowering retrace run, AOTAutograd traces, Inductor generates and compiles C++ (Triton on CUDA),
+  and the result is saved;
+- ``warm``: the cache the cold run left: the saved graph is loaded, nothing is traced or compiled;
+- ``copied``: the compile cache without its ``inductor/`` folder (what a machine gets when only the saved graphs
+  travel): the saved graph loads, and Inductor compiles its C++ source again.
+
+Reports the median of ``--repeats`` runs of each scenario (a cold run gets a new empty cache each time) as JSON and
+markdown under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def phases_of(metrics: dict, loaded_s: float, total_s: float) -> dict:
+    """Non-overlapping phases from torch's timers (``compilation_time_metrics``, summed per name) and the time
+    spent loading saved graphs; ``other`` is the rest of the wall time (prefill, the step, saving)."""
+    m = lambda name: metrics.get(name, 0.0)  # noqa: E731
+    native = m("PyCodeCache.load_by_key_path")
+    phases = {
+        "dynamo trace": m("bytecode_tracing"),
+        "DFlash passes (retrace + rewrite)": m("dflash.retrace") + m("dflash.passes"),
+        "lowering retrace": m("dflash.lower"),
+        "AOTAutograd": max(0.0, m("create_aot_dispatcher_function") - m("compile_fx_inner")),
+        "Inductor lowering + codegen": max(0.0, m("compile_fx_inner") - native),
+        "C++/Triton compile and load": native,
+        "guards": m("build_guards"),
+        "loading the saved graph": max(0.0, loaded_s - (native if loaded_s else 0.0)),
+    }
+    phases["other (prefill, steps, save)"] = max(0.0, total_s - sum(phases.values()))
+    return phases
+
+
+def worker(args) -> dict:
+    import torch
+    from torch._dynamo.utils import compilation_time_metrics
+    from transformers import AutoModelForCausalLM
+
+    from dflash_compile import DFlashDraftModel, DFlashSpecWrapper
+
+    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
+    draft = DFlashDraftModel.from_pretrained(args.draft, dtype=torch.float32)
+    spec = DFlashSpecWrapper(target, draft, max_batch_size=args.batch, max_seq_len=args.max_seq_len)
+    prompts = [[(7 * i + 13 * r) % 1000 + 10 for i in range(8)] for r in range(args.batch)]
+    start = time.perf_counter()
+    spec.compile(backend=args.backend, cache_dir=args.cache_dir)
+    spec.generate(prompts, max_new_tokens=8, pad_token_id=0)
+    total = time.perf_counter() - start
+    metrics = {k: sum(v) for k, v in compilation_time_metrics.items()}
+    events = spec._steps.events
+    loaded = sum(s for _, how, s in events if how == "loaded")
+    return {"total_s": total, "phases": phases_of(metrics, loaded, total),
+            "events": [(str(k), how, s) for k, how, s in events], "metrics": metrics}
+
+
+def run_worker(args, cache_dir: Path) -> dict:
+    cmd = [sys.executable, __file__, "--worker", "--target", args.target, "--draft", args.draft, "--backend",
+           args.backend, "--batch", str(args.batch), "--max-seq-len", str(args.max_seq_len), "--cache-dir",
+           str(cache_dir)]
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default=None)
+    p.add_argument("--draft", default=None)
+    p.add_argument("--backend", default="dflash")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--max-seq-len", type=int, default=2048)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--cache-dir", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.target is None:
+        from dflash_compile.assets import default_pair_paths
+
+        args.target, args.draft = (str(x) for x in default_pair_paths())
+    if args.worker:
+        print(json.dumps(worker(args)))
+        return
+
+    runs: dict[str, list[dict]] = {"cold": [], "warm": [], "copied": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.repeats):
+            cache = Path(tmp) / f"cache{r}"
+            runs["cold"].append(run_worker(args, cache))
+            runs["warm"].append(run_worker(args, cache))
+            copied = Path(tmp) / f"copied{r}"
+            shutil.copytree(cache, copied, ignore=shutil.ignore_patterns("inductor"))
+            runs["copied"].append(run_worker(args, copied))
+            print(f"round {r + 1}/{args.repeats}: " + ", ".join(
+                f"{k} {v[-1]['total_s']:.1f} s" for k, v in runs.items()), flush=True)
+
+    summary = {}
+    for scenario, rs in runs.items():
+        phases = {ph: statistics.median(r["phases"][ph] for r in rs) for ph in rs[0]["phases"]}
+        summary[scenario] = {"total_s": statistics.median(r["total_s"] for r in rs), "phases_s": phases,
+                             "totals_s": [r["total_s"] for r in rs]}
+    import torch
+    import transformers
+
+    result = {"backend": args.backend, "batch": args.batch, "max_seq_len": args.max_seq_len, "threads": args.threads,
+              "repeats": args.repeats, "torch": torch.__version__, "transformers": transformers.__version__,
+              "scenarios": summary, "runs": runs}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_compile.json").write_text(json.dumps(result, indent=1))
+    lines = [
+        f"# Compile: `spec.compile()` to the first tokens (backend `{args.backend}`, batch {args.batch}, "
+        f"max_seq_len {args.max_seq_len}, {args.threads} thread(s), median of {args.repeats} fresh processes)",
+        "",
+        "Command: `python benchmarks/bench_compile.py " + " ".join(sys.argv[1:]) + "`",
+        "",
+        "| phase (s) | " + " | ".join(summary) + " |",
+        "|---|" + "---|" * len(summary),
+    ]
+    for ph in summary["cold"]["phases_s"]:
+        lines.append(f"| {ph} | " + " | ".join(f"{summary[s]['phases_s'][ph]:.2f}" for s in summary) + " |")
+    lines.append("| **compile() to first tokens** | " + " | ".join(
+        f"**{summary[s]['total_s']:.2f}**" for s in summary) + " |")
+    lines += ["", "Each run: " + "; ".join(f"{s} " + ", ".join(f"{t:.1f}" for t in summary[s]["totals_s"])
+                                          for s in summary) + " s.",
+              "", "The phases do not overlap; \"other\" is the wall time they do not cover (the prefill and the "
+              "first step, writing the saved graph)."]
+    (out / "bench_compile.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,371 @@
+"""Compiled step graphs: one per step key, compiled once, saved, and loaded by every later process.
+
+``spec.compile(backend=...)`` gives the wrapper a ``CompiledSteps``. The host loop asks it for the step of a key
+(batch bucket, verify length, greedy or sampled, and for static-context backends the context pages). A key it
+has not met is loaded from the compile cache, or else traced once with dynamo's ahead-of-time capture
+(``torch.compile(...).forward.aot_compile``: one full graph, handed to the backend) and saved there. What is saved
+is torch's own artefact (``AOTCompiledFunction``: the guards, the bytecode that calls the graph, and the
+backend's compiled code — for Inductor-based backends the bundled AOTAutograd/Inductor output, kernels
+included), so a second process skips dynamo, the DFlash passes, AOTAutograd and Inductor alike.
+
+One graph serves every context length on backends that compile dynamic shapes (``dflash``, ``inductor``): the
+block tables' page dimension is marked dynamic, from 2 pages to the capacity, and attention walks exactly the
+pages a step hands it. ``dflash_neuron`` compiles static graphs (NEFFs are static): there the context bucket is
+part of the key.
+
+The cache. A directory (``cache_dir=``; else ``$DFLASH_COMPILE_CACHE_DIR``; else ``$XDG_CACHE_HOME/dflash_compile``
+or ``~/.cache/dflash_compile``) with one folder per fingerprint — torch, transformers and Python versions, this
+package's source, the backend and its options, both models' configs and parameter shapes and dtypes, the
+wrapper's pool geometry, the device (CPU: the vector ISA Inductor compiles for; CUDA: the GPU's name and
+capability) — and one file per key. The weights' values are not in it: the graphs read the parameters at every
+call, so a pair with other weights of the same shapes reuses them. Each file carries its key and a SHA-256 of the
+payload; an entry that is corrupted, truncated, for another key or rejected by its own guards is ignored with one
+warning line and compiled again (and rewritten). Only backends given by name are cached on disk; a backend
+callable is compiled in memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import hashlib
+import io
+import json
+import logging
+import os
+import platform
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+CACHE_DIR_ENV = "DFLASH_COMPILE_CACHE_DIR"
+ON_MISS = ("compile", "eager", "error")
+STATIC_CONTEXT_BACKENDS = ("dflash_neuron",)
+_MAGIC = b"DFLASHSTEP1\n"
+_TRACING = threading.Lock()  # dynamo traces one graph at a time, process-wide
+
+
+def default_cache_dir() -> Path:
+    """``$DFLASH_COMPILE_CACHE_DIR``, else ``$XDG_CACHE_HOME/dflash_compile``, else ``~/.cache/dflash_compile``."""
+    if os.environ.get(CACHE_DIR_ENV):
+        return Path(os.environ[CACHE_DIR_ENV])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "dflash_compile"
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class StepKey:
+    """What tells one step graph from another: ``batch`` rows, ``verify_len`` tokens per row (``K + 1``), greedy or
+    ``sampled``, and ``context_pages`` (None: every context length, the dynamic graph)."""
+
+    batch: int
+    verify_len: int
+    sampled: bool
+    context_pages: int | None = None
+
+    @property
+    def filename(self) -> str:
+        ctx = "any" if self.context_pages is None else str(self.context_pages)
+        return f"step-b{self.batch}-v{self.verify_len}-{'sampled' if self.sampled else 'greedy'}-ctx{ctx}.pt2"
+
+    def __str__(self) -> str:
+        ctx = "every context" if self.context_pages is None else f"{self.context_pages} pages"
+        return f"batch {self.batch}, K {self.verify_len - 1}, {'sampled' if self.sampled else 'greedy'}, {ctx}"
+
+
+@functools.cache
+def _package_source_hash() -> str:
+    """SHA-256 of this package's Python sources: any change to the step, the passes or the lowerings changes it."""
+    root = Path(__file__).parent
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def _device_tag(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}:{torch.cuda.get_device_capability(device)}"
+    if device.type == "cpu":  # the instruction sets the compiled C++ may use: the CPU's feature flags
+        return f"cpu:{platform.machine()}:{torch.backends.cpu.get_cpu_capability()}:{_cpu_flags()}"
+    return device.type
+
+
+@functools.cache
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1] for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        flags = platform.processor()
+    return hashlib.sha256(" ".join(sorted(flags.split())).encode()).hexdigest()[:16]
+
+
+def _module_signature(module: torch.nn.Module) -> list:
+    return [(name, tuple(p.shape), str(p.dtype)) for name, p in module.state_dict().items()]
+
+
+def fingerprint(spec, backend: str, mode, options: dict) -> dict:
+    """Everything a saved step graph depends on, as a JSON-able dict (its hash names the cache folder)."""
+    import transformers
+
+    p = next(spec.target.parameters())
+    return {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": list(sys.version_info[:2]),
+        "dflash_compile": _package_source_hash(),
+        "backend": backend,
+        "mode": mode,
+        "options": {k: repr(v) for k, v in sorted(options.items())},
+        "device": _device_tag(p.device),
+        "dtype": str(p.dtype),
+        "target": [type(spec.target).__name__, spec.target.config.to_json_string(use_diff=False),
+                   getattr(spec.target.config, "_attn_implementation", None), _module_signature(spec.target)],
+        "draft": [spec.draft.config.to_json_string(use_diff=False) if hasattr(spec.draft.config, "to_json_string")
+                  else repr(spec.draft.config), repr(spec.draft.dflash_config), _module_signature(spec.draft)],
+        "geometry": [spec.max_batch_size, spec.max_seq_len, spec.page_size],
+    }
+
+
+class _InMemory(torch._dynamo.aot_compile_types.SerializableCallable):
+    """A backend's compiled graph that torch cannot serialize (a plain callable): usable, never saved."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+    @classmethod
+    def serialize_compile_artifacts(cls, fn) -> bytes:
+        raise _NotSaveable("the backend's compiled graph is a plain callable torch cannot serialize")
+
+    @classmethod
+    def deserialize_compile_artifacts(cls, data: bytes):
+        raise _NotSaveable("not a saved graph")
+
+
+class _NotSaveable(RuntimeError):
+    pass
+
+
+def _serializable(backend):
+    """``backend`` with its result marked for the AOT capture: torch's serializable artefact where the backend
+    gives one (every AOTAutograd/Inductor-based backend), an in-memory one otherwise."""
+
+    def wrapped(gm, example_inputs):
+        compiled = backend(gm, example_inputs)
+        if isinstance(compiled, torch._dynamo.aot_compile_types.SerializableCallable) or (
+                getattr(compiled, "serialize", None) is not None):
+            return compiled
+        return _InMemory(compiled)
+
+    return wrapped
+
+
+def _backend_callable(backend, mode, options):
+    if not isinstance(backend, str):
+        return backend
+    if backend == "inductor":
+        return torch._TorchCompileInductorWrapper(mode, options or None, False)
+    if mode is not None or options:
+        return torch._TorchCompileWrapper(backend, mode, options or None, False)
+    return torch._dynamo.lookup_backend(backend)
+
+
+class CompiledSteps:
+    """The compiled step of one ``DFlashSpecWrapper``, per ``StepKey`` (see the module docstring)."""
+
+    def __init__(self, spec, backend="dflash", *, cache_dir=None, on_miss: str = "compile", mode=None,
+                 options: dict | None = None, dynamic_context: bool | None = None):
+        if on_miss not in ON_MISS:
+            raise ValueError(f"on_miss={on_miss!r}: expected one of {ON_MISS}")
+        if isinstance(backend, str):
+            torch._dynamo.lookup_backend(backend)  # an unknown name fails here, before any request
+        self.spec = spec
+        self.backend, self.mode, self.options = backend, mode, dict(options or {})
+        self.on_miss = on_miss
+        self.dynamic_context = (backend not in STATIC_CONTEXT_BACKENDS) if dynamic_context is None else dynamic_context
+        self.cache_dir = None if not isinstance(backend, str) else Path(cache_dir) if cache_dir else default_cache_dir()
+        # Inductor's own cache (the compiled C++/Triton binaries a saved graph loads) lives in the compile cache too
+        # while it compiles or loads a step, so that copying the compile cache carries them.
+        self.inductor_dir = None if self.cache_dir is None else self.cache_dir / "inductor"
+        self._fns: dict[StepKey, object] = {}
+        self._checked: set[StepKey] = set()
+        self._device = None  # (device, dtype) of the models the graphs were made for
+        self._folder: tuple | None = None  # ((device, dtype), folder, fingerprint)
+        self._said: set[str] = set()
+        self.events: list[tuple[StepKey, str, float]] = []  # (key, "compiled" | "loaded" | "eager", seconds)
+
+    # ------------------------------------------------------------------ keys
+    def key(self, batch: int, context_pages: int, sampled: bool) -> StepKey:
+        dynamic = self.dynamic_context and self._pages_range() is not None
+        return StepKey(batch, self.spec.verify_len, sampled, None if dynamic else context_pages)
+
+    def _pages_range(self) -> tuple[int, int] | None:
+        """The dynamic page dimension's range, or None where the capacity is too small for one."""
+        full = -(-self.spec.max_seq_len // self.spec.page_size)
+        return (2, full) if full >= 3 else None
+
+    def compiled_keys(self) -> list[StepKey]:
+        return sorted(self._fns)
+
+    # ------------------------------------------------------------------ running a step
+    def __call__(self, key: StepKey, args: tuple, kwargs: dict):
+        self._check_device()
+        fn = self._fns.get(key)
+        if fn is None:
+            fn = self._load(key)
+            if fn is None:
+                if self.on_miss == "eager":
+                    start = time.perf_counter()
+                    out = self.spec.forward(*args, **kwargs)
+                    self.events.append((key, "eager", time.perf_counter() - start))
+                    return out
+                if self.on_miss == "error":
+                    raise RuntimeError(f"no compiled step for {key} (on_miss='error'): precompile it first, with "
+                                       f"spec.precompile(...)")
+                fn = self._compile(key, args, kwargs)
+        if key not in self._checked:  # a loaded entry answers to its own guards once; then the key fixes the shapes
+            if not fn.guard_check(*args, **kwargs):
+                reason = str(fn._artifacts.guard_manager.check_verbose(fn.prepare_f_locals(*args, **kwargs)))
+                self._warn(key, f"its guards reject this wrapper's inputs ({reason.strip()[:300]})")
+                self._fns.pop(key, None)
+                fn = self._compile(key, args, kwargs)
+                if not fn.guard_check(*args, **kwargs):
+                    raise RuntimeError(f"the step just compiled for {key} rejects its own inputs")
+            fn.disable_guard_check()
+            self._checked.add(key)
+        return fn(*args, **kwargs)
+
+    def _check_device(self) -> None:
+        p = next(self.spec.target.parameters())
+        if self._device != (p.device, p.dtype):  # the models moved (or first call): graphs of another dtype go
+            self._fns.clear()
+            self._checked.clear()
+            self._device = (p.device, p.dtype)
+
+    def prepare(self, key: StepKey, args: tuple, kwargs: dict) -> tuple[str, float]:
+        """Make ``key``'s graph ready without running it: ``("loaded" | "compiled" | "ready", seconds)``."""
+        self._check_device()
+        if key in self._fns:
+            return "ready", 0.0
+        fn = self._load(key)
+        if fn is None:
+            self._compile(key, args, kwargs)
+        how, _, seconds = self.events[-1][1], None, self.events[-1][2]
+        return how, seconds
+
+    # ------------------------------------------------------------------ compile, save, load
+    def _compile(self, key: StepKey, args: tuple, kwargs: dict):
+        args = list(args)
+        rng = self._pages_range() if key.context_pages is None else None
+        if rng is not None:  # the example's table is a fresh view: the mark stays off the caller's tensors
+            args[2] = args[2][:, :]
+            torch._dynamo.mark_dynamic(args[2], 1, min=rng[0], max=rng[1])
+        start = time.perf_counter()
+        backend = _serializable(_backend_callable(self.backend, self.mode, self.options))
+        with _TRACING, self._inductor_cache(), torch.no_grad(), torch._dynamo.config.patch(
+                automatic_dynamic_shapes=False):
+            compiled = torch.compile(self.spec, backend=backend, fullgraph=True, dynamic=False, options={
+                "guard_filter_fn": torch.compiler.keep_portable_guards_unsafe})
+            fn = compiled.forward.aot_compile((tuple(args), dict(kwargs)))
+        self._fns[key] = fn
+        self._checked.discard(key)
+        self.events.append((key, "compiled", time.perf_counter() - start))
+        self._save(key, fn)
+        return fn
+
+    def _inductor_cache(self):
+        if self.inductor_dir is None:
+            return contextlib.nullcontext()
+        from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+
+        return temporary_cache_dir(str(self.inductor_dir))
+
+    def folder(self) -> Path | None:
+        """This wrapper's folder in the cache (None for a backend callable)."""
+        if self.cache_dir is None:
+            return None
+        p = next(self.spec.target.parameters())
+        if self._folder is None or self._folder[0] != (p.device, p.dtype):
+            fp = fingerprint(self.spec, self.backend, self.mode, self.options)
+            digest = hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:24]
+            self._folder = ((p.device, p.dtype), self.cache_dir / digest, fp)
+        return self._folder[1]
+
+    def _header(self, key: StepKey) -> bytes:
+        return json.dumps({"key": dataclasses.asdict(key), "folder": self.folder().name}, sort_keys=True).encode()
+
+    def _save(self, key: StepKey, fn) -> None:
+        folder = self.folder()
+        if folder is None:
+            return
+        from torch._dynamo.aot_compile import AOTCompiledFunction, atomic_write_binary
+
+        try:
+            payload = AOTCompiledFunction.serialize(fn, external_data={"spec": self.spec}).serialized_data
+        except _NotSaveable as e:
+            self._say_once("unsaveable", "dflash: the step graphs of backend %r stay in memory (%s)", self.backend, e)
+            return
+        header = self._header(key)
+        blob = b"".join([_MAGIC, len(header).to_bytes(4, "little"), header, hashlib.sha256(payload).digest(), payload])
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            meta = folder / "fingerprint.json"
+            if not meta.exists():
+                atomic_write_binary(str(meta), json.dumps(self._folder[2], indent=1, sort_keys=True).encode())
+            atomic_write_binary(str(folder / key.filename), blob)
+        except OSError as e:
+            self._say_once("unwritable", "dflash: cannot write the compile cache at %s (%s); compiled steps stay "
+                           "in memory", folder, e)
+
+    def _load(self, key: StepKey):
+        folder = self.folder()
+        path = folder / key.filename if folder is not None else None
+        if path is None or not path.exists():
+            return None
+        start = time.perf_counter()
+        try:
+            blob = path.read_bytes()
+            payload = self._unwrap(key, blob)
+            with _TRACING, self._inductor_cache():
+                fn = torch.compiler.load_compiled_function(io.BytesIO(payload), external_data={"spec": self.spec})
+        except Exception as e:  # a damaged or foreign entry never stops a request: compile instead
+            self._warn(key, f"{type(e).__name__}: {e}".splitlines()[0][:200], path)
+            return None
+        self._fns[key] = fn
+        self._checked.discard(key)
+        self.events.append((key, "loaded", time.perf_counter() - start))
+        return fn
+
+    def _unwrap(self, key: StepKey, blob: bytes) -> bytes:
+        if not blob.startswith(_MAGIC):
+            raise ValueError("not a dflash_compile step entry")
+        at = len(_MAGIC)
+        n = int.from_bytes(blob[at: at + 4], "little")
+        header, digest = blob[at + 4: at + 4 + n], blob[at + 4 + n: at + 36 + n]
+        payload = blob[at + 36 + n:]
+        if header != self._header(key):
+            raise ValueError(f"the entry is for another key ({header[:120].decode(errors='replace')})")
+        if hashlib.sha256(payload).digest() != digest:
+            raise ValueError("checksum mismatch (corrupted or truncated)")
+        return payload
+
+    # ------------------------------------------------------------------ messages
+    def _warn(self, key: StepKey, why: str, path=None) -> None:
+        where = f" ({path})" if path is not None else ""
+        log.warning("dflash: ignoring the compile cache entry for %s%s: %s; compiling it again", key, where, why)
+
+    def _say_once(self, tag: str, msg: str, *args) -> None:
+        if tag not in self._said:
+            self._said.add(tag)
+            log.warning(msg, *args)
