@@ -34,6 +34,7 @@ import io
 import json
 import logging
 import os
+import pickle
 import platform
 import sys
 import threading
@@ -171,6 +172,32 @@ def _serializable(backend):
     return wrapped
 
 
+class _InProcessStep:
+    """A key compiled through dynamo's ordinary path (its own cache and guards), for steps the ahead-of-time capture
+    could not package: traced again at its first call in this process, kept in memory only. Same calling
+    convention as ``AOTCompiledFunction``."""
+
+    def __init__(self, spec, backend, pages_range):
+        self._fn = torch.compile(spec.forward, backend=backend, fullgraph=True, dynamic=False)
+        self._pages_range = pages_range
+
+    def guard_check(self, *args, **kwargs) -> bool:
+        return True  # dynamo checks its own guards at every call
+
+    def disable_guard_check(self) -> None:
+        pass
+
+    def __call__(self, *args, **kwargs):
+        if self._pages_range is not None:  # each step's table is a fresh tensor: mark it as the capture did
+            torch._dynamo.mark_dynamic(args[2], 1, min=self._pages_range[0], max=self._pages_range[1])
+        with _TRACING, torch._dynamo.config.patch(automatic_dynamic_shapes=False):
+            return self._fn(*args, **kwargs)
+
+
+def _detached():
+    return None
+
+
 def _backend_callable(backend, mode, options):
     if not isinstance(backend, str):
         return backend
@@ -205,6 +232,11 @@ class CompiledSteps:
         self._said: set[str] = set()
         self.events: list[tuple[StepKey, str, float]] = []  # (key, "compiled" | "loaded" | "eager", seconds)
 
+    def __reduce__(self):
+        # Dynamo pickles the wrapper's state with a saved graph's guards; the compiled graphs this object holds (and
+        # their guard managers) must not go with it.
+        return (_detached, ())
+
     # ------------------------------------------------------------------ keys
     def key(self, batch: int, context_pages: int, sampled: bool) -> StepKey:
         dynamic = self.dynamic_context and self._pages_range() is not None
@@ -236,8 +268,9 @@ class CompiledSteps:
                 fn = self._compile(key, args, kwargs)
         if key not in self._checked:  # a loaded entry answers to its own guards once; then the key fixes the shapes
             if not fn.guard_check(*args, **kwargs):
-                reason = str(fn._artifacts.guard_manager.check_verbose(fn.prepare_f_locals(*args, **kwargs)))
-                self._warn(key, f"its guards reject this wrapper's inputs ({reason.strip()[:300]})")
+                debug = fn._artifacts.guard_manager.check_verbose(fn.prepare_f_locals(*args, **kwargs))
+                reason = "; ".join(getattr(debug, "verbose_code_parts", None) or [str(debug)]).replace("\n", " ")
+                self._warn(key, f"its guards reject this wrapper's inputs ({reason[:300]})")
                 self._fns.pop(key, None)
                 fn = self._compile(key, args, kwargs)
                 if not fn.guard_check(*args, **kwargs):
@@ -277,11 +310,19 @@ class CompiledSteps:
                 automatic_dynamic_shapes=False):
             compiled = torch.compile(self.spec, backend=backend, fullgraph=True, dynamic=False, options={
                 "guard_filter_fn": torch.compiler.keep_portable_guards_unsafe})
-            fn = compiled.forward.aot_compile((tuple(args), dict(kwargs)))
+            try:
+                fn = compiled.forward.aot_compile((tuple(args), dict(kwargs)))
+            except (torch._dynamo.exc.PackageError, TypeError, AttributeError, pickle.PicklingError) as e:
+                # Dynamo traced the step but could not package it for saving (an object in its guard state that
+                # does not pickle): compile the key the ordinary way, kept in this process only.
+                self._say_once("unpackaged", "dflash: %s cannot be saved (%s: %s); its graphs stay in memory",
+                               key, type(e).__name__, str(e).splitlines()[0][:200])
+                fn = _InProcessStep(self.spec, backend, rng)
         self._fns[key] = fn
         self._checked.discard(key)
         self.events.append((key, "compiled", time.perf_counter() - start))
-        self._save(key, fn)
+        if not isinstance(fn, _InProcessStep):
+            self._save(key, fn)
         return fn
 
     def _inductor_cache(self):

@@ -303,10 +303,10 @@ class DFlashSpecWrapper(nn.Module):
             raise RuntimeError("precompile() needs a backend: call spec.compile(backend=...) first")
         if sampling not in (False, True, "both"):
             raise ValueError(f"sampling={sampling!r}: expected False, True or 'both'")
-        buckets = sorted({self.batch_bucket(b) for b in batch_sizes}) if batch_sizes else list(self.batch_buckets)
         bad = [b for b in (batch_sizes or []) if not isinstance(b, int) or not 1 <= b <= self.max_batch_size]
         if bad:
             raise ValueError(f"batch_sizes {bad} are outside [1, max_batch_size={self.max_batch_size}]")
+        buckets = sorted({self.batch_bucket(b) for b in batch_sizes}) if batch_sizes else list(self.batch_buckets)
         modes = [False, True] if sampling == "both" else [bool(sampling)]
         pages = [None] if self._steps.key(1, 0, False).context_pages is None else list(self.context_buckets)
         keys = [(b, p, m) for b in buckets for m in modes for p in pages]

@@ -10,6 +10,10 @@ if not os.path.exists("/dev/nvidia0"):
 os.environ.setdefault(
     "TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.dirname(os.path.dirname(__file__)), "build", "inductor-cache")
 )
+# Compiled step graphs (and the Inductor cache they load from) in the same ignored dir, never in the user's home.
+os.environ.setdefault(
+    "DFLASH_COMPILE_CACHE_DIR", os.path.join(os.path.dirname(os.path.dirname(__file__)), "build", "dflash-cache")
+)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -1,0 +1,207 @@
+"""Compile once: one step graph per key for every context length, saved graphs reused by later wrappers and
+processes, damaged entries recompiled with one warning, ``precompile`` and ``on_miss``."""
+
+import hashlib
+import json
+import logging
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_compile import DFlashDraftModel, DFlashSpecWrapper
+from dflash_compile.compiled_step import _MAGIC, StepKey
+from tiny_models import VOCAB, random_prompts, tiny_target
+
+PAD = VOCAB - 2
+WRAPPER = dict(max_batch_size=2, batch_buckets=(1, 2), max_seq_len=160, page_size=8)
+
+
+class CountingBackend:
+    """Records the batch size of each graph it is handed; runs it uncompiled (fast to 'compile')."""
+
+    def __init__(self):
+        self.graphs = []
+
+    def __call__(self, gm, example_inputs):
+        self.graphs.append(next(t.shape[0] for t in example_inputs if isinstance(t, torch.Tensor) and t.dim() == 2))
+        return gm.forward
+
+
+def _pair(seed=0, **kwargs):
+    target = tiny_target("qwen3", seed=seed)
+    draft = DFlashDraftModel.from_target(target, num_layers=2, block_size=4, target_layer_ids=[1, 3], seed=seed)
+    return target, DFlashSpecWrapper(target, draft, **{**WRAPPER, **kwargs})
+
+
+def _reference(target, prompt, new):
+    out = target.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def _new_tokens(spec, prompt, new):
+    return spec.generate([prompt], max_new_tokens=new)[0, len(prompt):].tolist()
+
+
+def test_one_graph_serves_every_context_length():
+    target, spec = _pair()
+    backend = CountingBackend()
+    spec.compile(backend=backend)
+    for prompt, new in zip(random_prompts([3, 40, 101], 0), (150, 60, 50)):  # up to the capacity
+        assert _new_tokens(spec, prompt, new) == _reference(target, prompt, min(new, 160 - len(prompt)))
+    assert backend.graphs == [1]
+    assert spec._steps.compiled_keys() == [StepKey(1, spec.verify_len, False, None)]
+    assert spec.context_bucket(20) == 3 and spec.context_bucket(1) == 2  # the live pages, at least 2
+
+
+def test_static_context_backends_keep_their_buckets():
+    _, spec = _pair(context_buckets=(32, 64))
+    spec.compile(backend="dflash_neuron", on_miss="eager")
+    assert spec._steps.key(1, 4, False) == StepKey(1, spec.verify_len, False, 4)
+    assert [spec.context_bucket(n) for n in (1, 40, 100)] == [4, 8, 20]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A cache with the batch-1 greedy step of the tiny pair compiled by ``dflash``, and that run's tokens."""
+    cache = tmp_path_factory.mktemp("dflash-cache")
+    target, spec = _pair()
+    spec.compile(backend="dflash", cache_dir=cache)
+    prompt = random_prompts([9], 1)[0]
+    tokens = _new_tokens(spec, prompt, 24)
+    assert tokens == _reference(target, prompt, 24)
+    assert [how for _, how, _ in spec._steps.events] == ["compiled"]
+    return cache, spec._steps.folder(), prompt
+
+
+def test_saved_graph_is_loaded_not_compiled_and_reads_the_live_weights(saved, tmp_path):
+    cache, folder, prompt = saved
+    shutil.copytree(cache, tmp_path / "c")
+    target, spec = _pair(seed=1)  # same shapes, other weights: the graph reads the parameters at every call
+    spec.compile(backend="dflash", cache_dir=tmp_path / "c")
+    assert _new_tokens(spec, prompt, 24) == _reference(target, prompt, 24)
+    assert [how for _, how, _ in spec._steps.events] == ["loaded"]
+    fp = json.loads((tmp_path / "c" / folder.name / "fingerprint.json").read_text())
+    assert fp["backend"] == "dflash" and fp["torch"] == torch.__version__
+
+
+def test_another_process_loads_the_saved_graph(saved, tmp_path):
+    cache, _, prompt = saved
+    script = textwrap.dedent(f"""
+        import json, sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        import torch
+        from test_compile_cache import _pair, _new_tokens, _reference
+        target, spec = _pair()
+        spec.compile(backend="dflash", cache_dir={str(cache)!r})
+        same = _new_tokens(spec, {prompt!r}, 24) == _reference(target, {prompt!r}, 24)
+        print(json.dumps([same, [how for _, how, _ in spec._steps.events]]))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [True, ["loaded"]]
+
+
+def _damage(path: Path, how: str, other: Path | None = None) -> None:
+    blob = path.read_bytes()
+    if how == "corrupted":
+        i = len(blob) // 2
+        path.write_bytes(blob[:i] + bytes([blob[i] ^ 0xFF]) + blob[i + 1:])
+    elif how == "truncated":
+        path.write_bytes(blob[: len(blob) // 3])
+    elif how == "not an entry":
+        path.write_bytes(b"\x00" * 100)
+    elif how == "another key":  # a valid entry, checksum and all, that says it is for batch 2
+        at = len(_MAGIC)
+        n = int.from_bytes(blob[at: at + 4], "little")
+        header = json.loads(blob[at + 4: at + 4 + n])
+        header["key"]["batch"] = 2
+        new = json.dumps(header, sort_keys=True).encode()
+        path.write_bytes(_MAGIC + len(new).to_bytes(4, "little") + new + blob[at + 4 + n:])
+    elif how == "guards reject it":  # a sound entry of another wrapper (other pool shapes), relabelled as this one
+        at = len(_MAGIC)
+        n = int.from_bytes(blob[at: at + 4], "little")
+        theirs = other.read_bytes()
+        m = int.from_bytes(theirs[at: at + 4], "little")
+        payload = theirs[at + 36 + m:]
+        path.write_bytes(blob[: at + 4 + n] + hashlib.sha256(payload).digest() + payload)
+
+
+@pytest.mark.parametrize("how", ["corrupted", "truncated", "not an entry", "another key", "guards reject it"])
+def test_a_damaged_entry_is_recompiled_with_one_warning(saved, tmp_path, caplog, how):
+    cache, folder, prompt = saved
+    shutil.copytree(cache, tmp_path / "c")
+    entry = tmp_path / "c" / folder.name / StepKey(1, 4, False, None).filename
+    other = None
+    if how == "guards reject it":
+        _, bigger = _pair(max_seq_len=200)
+        bigger.compile(backend="dflash", cache_dir=tmp_path / "other")
+        bigger.generate([prompt], max_new_tokens=4)
+        other = bigger._steps.folder() / entry.name
+    _damage(entry, how, other)
+    target, spec = _pair()
+    spec.compile(backend="dflash", cache_dir=tmp_path / "c")
+    with caplog.at_level(logging.WARNING, logger="dflash_compile"):
+        assert _new_tokens(spec, prompt, 24) == _reference(target, prompt, 24)
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "ignoring the compile cache entry" in warnings[0].getMessage()
+    assert "\n" not in warnings[0].getMessage()
+    assert [how for _, how, _ in spec._steps.events][-1] == "compiled"
+    _, again = _pair()  # the entry was rewritten: the next wrapper loads it
+    again.compile(backend="dflash", cache_dir=tmp_path / "c")
+    again.generate([prompt], max_new_tokens=4)
+    assert [how for _, how, _ in again._steps.events] == ["loaded"]
+
+
+def test_precompile_compiles_every_key_up_front_with_progress(capsys):
+    target, spec = _pair()
+    backend = CountingBackend()
+    spec.compile(backend=backend, on_miss="error")
+    with pytest.raises(RuntimeError, match="no compiled step for batch 1"):
+        spec.generate([[1, 2, 3]], max_new_tokens=4)
+    report = spec.precompile(sampling="both")
+    assert sorted(backend.graphs) == [1, 1, 2, 2]
+    assert set(report) == {str(StepKey(b, spec.verify_len, s, None)) for b in (1, 2) for s in (False, True)}
+    assert all(how == "compiled" and seconds >= 0 for how, seconds in report.values())
+    err = capsys.readouterr().err
+    assert "dflash precompile" in err and "4/4" in err
+    prompts = random_prompts([5, 30], 3)
+    out = spec.generate(prompts, max_new_tokens=20, pad_token_id=PAD)  # every key ready: no miss, no error
+    for row, p in zip(out, prompts):
+        new = row[-20:].tolist()
+        assert new == _reference(target, p, 20)
+    spec.generate(prompts[:1], max_new_tokens=8, do_sample=True, temperature=0.8, seed=1)
+    assert len(backend.graphs) == 4
+    with pytest.raises(ValueError, match="batch_sizes"):
+        spec.precompile(batch_sizes=[3])
+
+
+def test_precompile_needs_compile():
+    _, spec = _pair()
+    with pytest.raises(RuntimeError, match="call spec.compile"):
+        spec.precompile()
+
+
+def test_on_miss_eager_runs_the_eager_step_for_keys_not_compiled():
+    target, spec = _pair()
+    backend = CountingBackend()
+    spec.compile(backend=backend, on_miss="eager")
+    prompt = random_prompts([12], 4)[0]
+    assert _new_tokens(spec, prompt, 30) == _reference(target, prompt, 30)
+    assert backend.graphs == [] and {how for _, how, _ in spec._steps.events} == {"eager"}
+
+
+def test_compile_arguments_are_checked():
+    _, spec = _pair()
+    with pytest.raises(ValueError, match="on_miss"):
+        spec.compile(on_miss="later")
+    with pytest.raises(ValueError, match="fullgraph"):
+        spec.compile(fullgraph=False)
+    with pytest.raises(ValueError, match="dynamic"):
+        spec.compile(dynamic=True)
+    with pytest.raises(Exception, match="no_such_backend"):
+        spec.compile(backend="no_such_backend")
