@@ -71,12 +71,12 @@ def main() -> None:
             times = {name: [] for name in graphs}
             with torch.no_grad():
                 for name, (steps, key) in calls.items():  # untimed warm-up
-                    steps(key, inputs, {})
+                    steps.run(key, inputs, {})
                 for _ in range(args.repeats):
                     for name, (steps, key) in calls.items():
                         start = time.perf_counter()
                         for _ in range(args.calls):
-                            steps(key, inputs, {})
+                            steps.run(key, inputs, {})
                         times[name].append((time.perf_counter() - start) / args.calls * 1e3)
             med = {name: statistics.median(t) for name, t in times.items()}
             static, dynamic = med.values()

@@ -186,7 +186,7 @@ def phase_profile(target, draft, encs: list[dict], args, repeats: int = 50) -> d
     spec = DFlashSpecWrapper(target, draft, max_batch_size=1)
     spec.compile(backend=timed_backend, fullgraph=True)
     clock = {"call": 0.0, "admit": 0.0}
-    call, admit = spec._compiled_call_impl, spec.scheduler._admit
+    call, admit = spec._steps.run, spec.scheduler._admit
 
     def timed_call(*a, **k):
         t0 = time.perf_counter()
@@ -200,7 +200,7 @@ def phase_profile(target, draft, encs: list[dict], args, repeats: int = 50) -> d
         clock["admit"] += time.perf_counter() - t0
         return out
 
-    spec._compiled_call_impl, spec.scheduler._admit = timed_call, timed_admit
+    spec._steps.run, spec.scheduler._admit = timed_call, timed_admit
     eos = target.generation_config.eos_token_id
 
     def generate_all():
@@ -248,11 +248,11 @@ def phase_profile(target, draft, encs: list[dict], args, repeats: int = 50) -> d
         out[f"{name}_ms"] = median_ms(lambda: fn(*phase_args[name]), repeats, "cpu")[0]  # first call: the compile
 
     python_wrapper = DFlashSpecWrapper(target, draft, max_batch_size=1)
-    python_wrapper.compile(backend="dflash", fullgraph=True, options={"cpp_wrapper": False})
-    python_wrapper(*inputs)
+    python_wrapper.compile(backend="dflash", options={"cpp_wrapper": False})
+    python_wrapper.step(*inputs)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(repeats):
-            python_wrapper(*inputs)
+            python_wrapper.step(*inputs)
     mm = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in ("aten::mm", "aten::bmm"))
     out["matmul_ms"] = mm / 1e3 / repeats
     print("phases", {k: (round(v, 3) if isinstance(v, float) else v) for k, v in out.items()}, flush=True)

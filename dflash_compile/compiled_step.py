@@ -251,7 +251,8 @@ class CompiledSteps:
         return sorted(self._fns)
 
     # ------------------------------------------------------------------ running a step
-    def __call__(self, key: StepKey, args: tuple, kwargs: dict):
+    def run(self, key: StepKey, args: tuple, kwargs: dict):
+        """The step of ``key`` on ``args``/``kwargs`` (``forward``'s), loaded or compiled on a miss (``on_miss``)."""
         self._check_device()
         fn = self._fns.get(key)
         if fn is None:

@@ -377,11 +377,7 @@ class Scheduler:
         sampled = any(r.args.do_sample for r in rows)
         sampling = (self._sampling(bucket),) if sampled else ()
         states = {"state_slots": batch.state_slots[:bucket]} if cache.has_states else {}
-        if spec.compiled:
-            key = spec._steps.key(bucket, step_inputs[2].shape[1], sampled)
-            tokens, num_accepted, next_block, next_probs = spec._steps(key, (*step_inputs, *sampling), states)
-        else:
-            tokens, num_accepted, next_block, next_probs = spec(*step_inputs, *sampling, **states)
+        tokens, num_accepted, next_block, next_probs = spec.step(*step_inputs, *sampling, **states)
         drafts = any(r.args.output_drafts for r in rows)
         verified = batch.block[:bucket, 1:].tolist() if drafts else None  # before it is overwritten
         batch.block[:bucket] = next_block

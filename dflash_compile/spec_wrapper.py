@@ -290,6 +290,18 @@ class DFlashSpecWrapper(nn.Module):
     def compiled(self) -> bool:
         return self._steps is not None
 
+    def step(self, block, seq_lens, block_tables, active, target_pools, draft_pool, sampling=None, state_slots=None):
+        """One step as the host loop runs it (``forward``'s arguments and results): once :meth:`compile` was called,
+        through the compiled graph of its key (batch bucket, ``K``, greedy or sampled; loaded or compiled on a miss
+        as ``on_miss`` says), else ``forward`` itself."""
+        args = (block, seq_lens, block_tables, active, target_pools, draft_pool) + (
+            (sampling,) if sampling is not None else ())
+        kwargs = {"state_slots": state_slots} if state_slots is not None else {}
+        if self._steps is None:
+            return self(*args, **kwargs)
+        key = self._steps.key(block.shape[0], block_tables.shape[1], sampling is not None)
+        return self._steps.run(key, args, kwargs)
+
     def precompile(self, batch_sizes=None, *, sampling: bool | str = False, progress: bool = True) -> dict:
         """Compile (or load from the compile cache) every step graph a deployment will use, now, so that no
         request ever waits for a compile. ``batch_sizes``: the batch sizes to serve (default: every batch bucket;

@@ -10,13 +10,17 @@ if not os.path.exists("/dev/nvidia0"):
 os.environ.setdefault(
     "TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.dirname(os.path.dirname(__file__)), "build", "inductor-cache")
 )
-# Compiled step graphs (and the Inductor cache they load from) in the same ignored dir, never in the user's home.
-os.environ.setdefault(
-    "DFLASH_COMPILE_CACHE_DIR", os.path.join(os.path.dirname(os.path.dirname(__file__)), "build", "dflash-cache")
-)
+
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _compile_cache(tmp_path, monkeypatch):
+    """Each test compiles into a compile cache of its own (never the user's home): what a test compiles, and
+    the counters it reads, never depend on what another test left."""
+    monkeypatch.setenv("DFLASH_COMPILE_CACHE_DIR", str(tmp_path / "dflash-cache"))
 
 
 @pytest.fixture(autouse=True)
