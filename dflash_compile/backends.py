@@ -11,8 +11,8 @@ patterns for ``torch.ops.dflash.*``) and hand the result on:
   log.
 
 Registered through the ``torch_dynamo_backends`` entry-point group, so ``torch.compile(fn, backend="dflash")``
-works without importing this package first. Graphs with dynamic shapes skip the passes (the DFlash step is
-static by design) and go to the underlying compiler unchanged; that, too, is logged.
+works without importing this package first. Graphs with dynamic shapes (the step's context length) are retraced in
+dynamo's own symbolic sizes, so the passes and lowerings keep them symbolic (``_retrace``).
 """
 
 from __future__ import annotations

@@ -16,12 +16,17 @@ part of the key.
 The cache. A directory (``cache_dir=``; else ``$DFLASH_COMPILE_CACHE_DIR``; else ``$XDG_CACHE_HOME/dflash_compile``
 or ``~/.cache/dflash_compile``) with one folder per fingerprint — torch, transformers and Python versions, this
 package's source, the backend and its options, both models' configs and parameter shapes and dtypes, the
-wrapper's pool geometry, the device (CPU: the vector ISA Inductor compiles for; CUDA: the GPU's name and
-capability) — and one file per key. The weights' values are not in it: the graphs read the parameters at every
-call, so a pair with other weights of the same shapes reuses them. Each file carries its key and a SHA-256 of the
-payload; an entry that is corrupted, truncated, for another key or rejected by its own guards is ignored with one
-warning line and compiled again (and rewritten). Only backends given by name are cached on disk; a backend
-callable is compiled in memory.
+wrapper's pool geometry, the device (CPU: the architecture, ATen's CPU capability and the CPU's feature flags;
+CUDA: the GPU's name and capability) — and one file per key, plus ``inductor/``: Inductor's own cache while it
+compiles or loads a step (the C++/Triton binaries a saved graph loads), so that a copy of the directory carries
+them. The weights' values are not in the fingerprint: the graphs read the parameters at every call, so a pair with
+other weights of the same shapes reuses them. Each file carries its key and a SHA-256 of the payload; an entry that
+is corrupted, truncated, for another key or rejected by its own guards is ignored with one warning line and
+compiled again (and rewritten). Only backends given by name are cached on disk; a backend callable is compiled in
+memory.
+
+A key with no graph yet does what ``on_miss`` says: compile it now (default), run the eager step, compile it on a
+background thread while the eager step serves, or raise.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ import torch
 log = logging.getLogger(__name__)
 
 CACHE_DIR_ENV = "DFLASH_COMPILE_CACHE_DIR"
-ON_MISS = ("compile", "eager", "error")
+ON_MISS = ("compile", "eager", "background", "error")
 STATIC_CONTEXT_BACKENDS = ("dflash_neuron",)
 _MAGIC = b"DFLASHSTEP1\n"
 _TRACING = threading.Lock()  # dynamo traces one graph at a time, process-wide
@@ -231,6 +236,7 @@ class CompiledSteps:
         self._folder: tuple | None = None  # ((device, dtype), folder, fingerprint)
         self._said: set[str] = set()
         self.events: list[tuple[StepKey, str, float]] = []  # (key, "compiled" | "loaded" | "eager", seconds)
+        self._background: dict[StepKey, threading.Thread | None] = {}  # keys compiling (None: that failed)
 
     def __reduce__(self):
         # Dynamo pickles the wrapper's state with a saved graph's guards; the compiled graphs this object holds (and
@@ -258,7 +264,9 @@ class CompiledSteps:
         if fn is None:
             fn = self._load(key)
             if fn is None:
-                if self.on_miss == "eager":
+                if self.on_miss in ("eager", "background"):
+                    if self.on_miss == "background" and key not in self._background:
+                        self._compile_in_background(key)
                     start = time.perf_counter()
                     out = self.spec.forward(*args, **kwargs)
                     self.events.append((key, "eager", time.perf_counter() - start))
@@ -287,9 +295,32 @@ class CompiledSteps:
             self._checked.clear()
             self._device = (p.device, p.dtype)
 
+    def _compile_in_background(self, key: StepKey) -> None:
+        """Compile ``key`` on a daemon thread from inputs of its shapes; the step runs eagerly until it is ready.
+        Dynamo traces on fake tensors (it reads the pools' shapes, never their contents), so the eager steps the
+        host loop runs meanwhile are untouched."""
+        cache = self.spec.kv_cache()
+        args, kwargs = self.spec._example_step_inputs(cache, key.batch, key.context_pages or 2, key.sampled)
+
+        def work():
+            try:
+                self._compile(key, args, kwargs)
+                self._background.pop(key, None)
+            except Exception as e:  # the key keeps running eagerly; the failure is said, never raised mid-request
+                self._background[key] = None
+                log.warning("dflash: compiling %s in the background failed (%s: %s); it runs eagerly", key,
+                            type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
+
+        thread = threading.Thread(target=work, name=f"dflash-compile-{key.filename}", daemon=True)
+        self._background[key] = thread
+        thread.start()
+
     def prepare(self, key: StepKey, args: tuple, kwargs: dict) -> tuple[str, float]:
         """Make ``key``'s graph ready without running it: ``("loaded" | "compiled" | "ready", seconds)``."""
         self._check_device()
+        thread = self._background.get(key)
+        if thread is not None:  # being compiled in the background: wait for it
+            thread.join()
         if key in self._fns:
             return "ready", 0.0
         fn = self._load(key)

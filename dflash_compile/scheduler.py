@@ -401,7 +401,7 @@ class Scheduler:
 
     def _step_inputs(self) -> tuple[int, tuple]:
         """``(bucket, forward's inputs)`` for the running rows: the smallest batch bucket that holds them and the
-        smallest context bucket that holds every row's next verify block (KV blocks allocated as needed)."""
+        pages that hold every row's next verify block (``spec.context_bucket``; KV blocks allocated as needed)."""
         spec, batch, cache = self.spec, self.batch, self.cache
         bucket = spec.batch_bucket(len(batch.rows))
         longest = 0

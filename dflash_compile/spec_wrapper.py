@@ -141,7 +141,9 @@ class DFlashSpecWrapper(nn.Module):
         context_buckets: context lengths, in tokens, a step's attention spans (rounded up to whole pages; the
             capacity is always one). A step runs at the smallest that holds every live row's context and block,
             so attention costs what the live context needs, not the capacity. Default: 128, 256, 512, ... up to
-            ``max_seq_len``. Each (batch bucket, context bucket) pair is one static step graph when compiled.
+            ``max_seq_len``. Compiled with ``dflash`` or ``inductor``, one graph per batch bucket serves every context
+            length (the step walks the live pages); with ``dflash_neuron``, each (batch bucket, context bucket)
+            pair is one static graph.
         max_cache_bytes: the most the KV pools may take (default: the memory available on the target's device when
             they are allocated). Eager, they hold what the requests in flight can need (each ``prompt +
             max_new_tokens + K + 1`` tokens at most) and grow in place, contents kept, when more requests join;
@@ -270,8 +272,9 @@ class DFlashSpecWrapper(nn.Module):
         too, its graphs are static). Graphs are compiled when a key is first met, or up front by
         :meth:`precompile`, and saved in the compile cache (``cache_dir``; default ``$DFLASH_COMPILE_CACHE_DIR``,
         else ``~/.cache/dflash_compile``), which later processes load from instead of compiling. ``on_miss``: what
-        a step whose key has no graph yet does — ``"compile"`` it (default), run the ``"eager"`` step for that call,
-        or raise (``"error"``). ``mode``/``options`` go to the backend. See ``compiled_step.py``.
+        a step whose key has no graph yet does — ``"compile"`` it (default: the request waits), run the ``"eager"``
+        step for that call, start compiling it on a ``"background"`` thread and run the eager step until it is
+        ready, or raise (``"error"``). ``mode``/``options`` go to the backend. See ``compiled_step.py``.
 
         The step is always one full graph (``fullgraph=False`` is refused) and its shapes are fixed by the key
         (``dynamic`` other than None/False is refused)."""
@@ -557,7 +560,8 @@ class DFlashSpecWrapper(nn.Module):
         return self._cache.nbytes if self._cache is not None else 0
 
     def context_bucket(self, num_tokens: int) -> int:
-        """Pages of the smallest context bucket that holds ``num_tokens`` positions (capped at capacity)."""
+        """Pages a step over ``num_tokens`` positions gets: the live pages (at least 2) when the compiled step serves
+        every context length, else those of the smallest context bucket that holds them (capped at capacity)."""
         need = -(-min(num_tokens, self.max_seq_len) // self.page_size)
         if self._steps is not None and self._steps.key(1, need, False).context_pages is None:
             return min(max(need, 2), -(-self.max_seq_len // self.page_size))  # one graph for all: the live pages

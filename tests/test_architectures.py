@@ -112,8 +112,8 @@ def test_hybrid_compiles_to_one_graph_per_bucket():
     assert counters["stats"]["unique_graphs"] == 1
     # The passes still fire on the full-attention layers: 2 target + 2 drafter attentions, 2 + 3 pool writes.
     assert dict(counters["dflash"]) == {"block_attention": 4, "paged_kv_write": 5, "fused_kv_proj": 1}
-    with torch.compiler.set_stance("fail_on_recompile"):  # a later batch reuses the graphs
-        again = spec.generate(later, **kw)
+    again = spec.generate(later, **kw)  # a later batch reuses the graphs
+    assert counters["stats"]["unique_graphs"] == 1
     assert [again.sequences[i, again.prompt_width:].tolist() for i in range(3)] == [_reference(target, p) for p in later]
     check_drafting(spec.draft, later, fulls[3:], again)
 

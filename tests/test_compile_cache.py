@@ -205,3 +205,17 @@ def test_compile_arguments_are_checked():
         spec.compile(dynamic=True)
     with pytest.raises(Exception, match="no_such_backend"):
         spec.compile(backend="no_such_backend")
+
+
+def test_on_miss_background_compiles_while_the_eager_step_serves():
+    target, spec = _pair()
+    backend = CountingBackend()
+    spec.compile(backend=backend, on_miss="background")
+    prompt = random_prompts([12], 5)[0]
+    assert _new_tokens(spec, prompt, 40) == _reference(target, prompt, 40)  # served eagerly while it compiles
+    assert spec._steps.events[0][1] == "eager"
+    report = spec.precompile(batch_sizes=[1])  # waits for the background compile
+    assert list(report.values()) == [("ready", 0.0)] and backend.graphs == [1]
+    n = len(spec._steps.events)
+    assert _new_tokens(spec, prompt, 40) == _reference(target, prompt, 40)
+    assert len(spec._steps.events) == n  # every step compiled: no eager step, no compile

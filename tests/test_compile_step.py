@@ -1,4 +1,4 @@
-"""The step is one static graph per batch bucket: compiled once, never again, equal to eager."""
+"""The step is one graph per batch bucket (every context length): compiled once, never again, equal to eager."""
 
 import pytest
 import torch
@@ -36,9 +36,8 @@ def test_step_compiles_once_per_bucket(family):
     torch._dynamo.reset()
     assert torch.equal(spec.generate(first, max_new_tokens=12, pad_token_id=PAD), eager[0])
     assert backend.graphs == [4]
-    with torch.compiler.set_stance("fail_on_recompile"):
-        assert torch.equal(spec.generate(second, max_new_tokens=12, pad_token_id=PAD), eager[1])
-    assert backend.graphs == [4]
+    assert torch.equal(spec.generate(second, max_new_tokens=12, pad_token_id=PAD), eager[1])  # warm
+    assert backend.graphs == [4] and [how for _, how, _ in spec._steps.events] == ["compiled"]
 
 
 def test_one_graph_per_bucket():

@@ -68,8 +68,7 @@ def test_compiled_equals_eager(family_pair, backend):
         "fused_kv_proj": 2, "paged_kv_write": 2 * (n_target + 1), "block_attention": 2 * (n_target + 2),
     }
     assert set(counters["dflash"]) == set(PASS_NAMES)
-    with torch.compiler.set_stance("fail_on_recompile"):  # warm: new prompts, same buckets, no recompile
-        again = _run(spec, prompts["again"])
+    again = _run(spec, prompts["again"])  # warm: new prompts, same buckets, no recompile (counted below)
     assert torch.equal(again.sequences, expected["again"].sequences)
     assert _drafting(again) == _drafting(expected["again"])
     assert counters["stats"]["unique_graphs"] == 2
