@@ -114,6 +114,14 @@ def _cpu_flags() -> str:
     return hashlib.sha256(" ".join(sorted(flags.split())).encode()).hexdigest()[:16]
 
 
+def _config_json(config) -> str:
+    """A config's values, without where it was loaded from (the same model in another directory, or on another
+    machine, is the same model)."""
+    values = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
+    values.pop("_name_or_path", None)
+    return json.dumps(values, sort_keys=True, default=repr)
+
+
 def _module_signature(module: torch.nn.Module) -> list:
     return [(name, tuple(p.shape), str(p.dtype)) for name, p in module.state_dict().items()]
 
@@ -133,10 +141,9 @@ def fingerprint(spec, backend: str, mode, options: dict) -> dict:
         "options": {k: repr(v) for k, v in sorted(options.items())},
         "device": _device_tag(p.device),
         "dtype": str(p.dtype),
-        "target": [type(spec.target).__name__, spec.target.config.to_json_string(use_diff=False),
+        "target": [type(spec.target).__name__, _config_json(spec.target.config),
                    getattr(spec.target.config, "_attn_implementation", None), _module_signature(spec.target)],
-        "draft": [spec.draft.config.to_json_string(use_diff=False) if hasattr(spec.draft.config, "to_json_string")
-                  else repr(spec.draft.config), repr(spec.draft.dflash_config), _module_signature(spec.draft)],
+        "draft": [_config_json(spec.draft.config), repr(spec.draft.dflash_config), _module_signature(spec.draft)],
         "geometry": [spec.max_batch_size, spec.max_seq_len, spec.page_size],
     }
 

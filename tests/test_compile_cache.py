@@ -219,3 +219,14 @@ def test_on_miss_background_compiles_while_the_eager_step_serves():
     n = len(spec._steps.events)
     assert _new_tokens(spec, prompt, 40) == _reference(target, prompt, 40)
     assert len(spec._steps.events) == n  # every step compiled: no eager step, no compile
+
+
+def test_the_fingerprint_does_not_depend_on_where_the_model_was_loaded_from(tmp_path):
+    from dflash_compile.compiled_step import fingerprint
+
+    target, spec = _pair()
+    first = fingerprint(spec, "dflash", None, {})
+    target.config._name_or_path = str(tmp_path / "elsewhere")
+    assert fingerprint(spec, "dflash", None, {}) == first
+    target.config.rms_norm_eps = 1e-3  # a config value is part of it
+    assert fingerprint(spec, "dflash", None, {}) != first
