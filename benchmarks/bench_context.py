@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -92,7 +93,7 @@ def main() -> None:
     names = list(graphs)
     lines = ["# One step graph for every context length vs one per context bucket (1 thread, ms per step, median "
              f"of {args.repeats} rounds of {args.calls} calls)", "",
-             "Command: `python benchmarks/bench_context.py`", "",
+             "Command: `python benchmarks/bench_context.py " + " ".join(sys.argv[1:]) + "`", "",
              "| batch | context | " + " | ".join(names) + " | dynamic / static |", "|---|---|" + "---|" * (len(names) + 1)]
     for r in rows:
         lines.append(f"| {r['batch']} | {r['context']} | " + " | ".join(f"{r['ms'][n]:.3f}" for n in names)

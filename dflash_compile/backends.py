@@ -33,8 +33,12 @@ log = logging.getLogger(__name__)
 #: 1, one thread), and its output cannot be saved by torch's ahead-of-time capture (``compiled_step.py``).
 INDUCTOR_OPTIONS = {"freezing": False}
 #: Added for CPU graphs: a C++ wrapper around the kernels (the Python one cost ~0.8 ms per call of the default
-#: pair's step). Not on CUDA, where it is unmeasured here and CUDA graphs are the way to hide launch overhead.
-CPU_INDUCTOR_OPTIONS = {"cpp_wrapper": True}
+#: pair's step), built as two translation units (the wrapper at -O1, the kernels at -O3) compiled in parallel, with
+#: no precompiled header (building one costs more than it saves for the step's one or two units): the shipped pair's
+#: cold compile 35.8 -> 22.3 s at batch 1 and 36.5 -> 30.0 s at batch 8, the step 6.984 -> 6.976 ms and 32.49 ->
+#: 32.61 ms (one thread, context 500; ``benchmarks/bench_cpu_options.py``). Not on CUDA, where it is unmeasured here and CUDA graphs are the way to hide
+#: launch overhead.
+CPU_INDUCTOR_OPTIONS = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True, "cpp_cache_precompile_headers": False}
 _said: set[str] = set()
 
 
@@ -117,16 +121,22 @@ def lower(gm: torch.fx.GraphModule, example_inputs) -> torch.fx.GraphModule:
         return _retrace(gm, example_inputs, table)
 
 
+def inductor_options(device_types: set[str], options: dict | None = None) -> dict:
+    """The Inductor config the DFlash backends compile a graph on ``device_types`` with (``options`` last). Loading
+    a saved graph patches the same config: Inductor's cache keys its binaries on the build options."""
+    device_options = CPU_INDUCTOR_OPTIONS if device_types == {"cpu"} else {}
+    return {**INDUCTOR_OPTIONS, **device_options, **(options or {})}
+
+
 def _inductor(gm, example_inputs, options):
     from torch._inductor.compile_fx import compile_fx
 
     kinds = {x.device.type for x in example_inputs if isinstance(x, torch.Tensor)}
-    device_options = CPU_INDUCTOR_OPTIONS if kinds == {"cpu"} else {}
     # compile_fx reads a graph whose placeholders carry ``val`` as an exported one and, with the C++ wrapper, drops
     # its SymInt inputs: make_fx's placeholders lose ``val`` (dynamo's own graphs carry none), so the inputs count.
     for node in gm.graph.find_nodes(op="placeholder"):
         node.meta.pop("val", None)
-    with inductor_config.patch({**INDUCTOR_OPTIONS, **device_options, **(options or {})}):
+    with inductor_config.patch(inductor_options(kinds, options)):
         return compile_fx(gm, example_inputs)
 
 

@@ -417,7 +417,7 @@ class CompiledSteps:
         try:
             blob = path.read_bytes()
             payload = self._unwrap(key, blob)
-            with _TRACING, self._inductor_cache():
+            with _TRACING, self._inductor_cache(), torch._inductor.config.patch(self._load_options()):
                 fn = torch.compiler.load_compiled_function(io.BytesIO(payload), external_data={"spec": self.spec})
         except Exception as e:  # a damaged or foreign entry never stops a request: compile instead
             self._warn(key, f"{type(e).__name__}: {e}".splitlines()[0][:200], path)
@@ -426,6 +426,15 @@ class CompiledSteps:
         self._checked.discard(key)
         self.events.append((key, "loaded", time.perf_counter() - start))
         return fn
+
+    def _load_options(self) -> dict:
+        """The Inductor config the graph was compiled under: a load looks its binaries up under the same build
+        options (else Inductor compiles the saved C++ source again)."""
+        if self.backend in ("dflash", "dflash_neuron"):
+            from .backends import inductor_options
+
+            return inductor_options({next(self.spec.target.parameters()).device.type}, self.options)
+        return dict(self.options) if self.backend == "inductor" else {}
 
     def _unwrap(self, key: StepKey, blob: bytes) -> bytes:
         if not blob.startswith(_MAGIC):
