@@ -322,6 +322,12 @@ class CompiledSteps:
         self._background[key] = thread
         thread.start()
 
+    def wait(self) -> None:
+        """Wait for every background compile in progress."""
+        for thread in list(self._background.values()):
+            if thread is not None:
+                thread.join()
+
     def prepare(self, key: StepKey, args: tuple, kwargs: dict) -> tuple[str, float]:
         """Make ``key``'s graph ready without running it: ``("loaded" | "compiled" | "ready", seconds)``."""
         self._check_device()

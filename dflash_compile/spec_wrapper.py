@@ -252,6 +252,8 @@ class DFlashSpecWrapper(nn.Module):
         traces another wrapper's step on the same target."""
         if self.scheduler.in_flight():
             raise RuntimeError("requests are still running on this wrapper: cancel or wait for them before close()")
+        if self._steps is not None:  # a background compile traces through the hooks removed below: let it finish
+            self._steps.wait()
         self.aux.remove()
         if self._stepping and not self._closed:
             unstep(self.target)

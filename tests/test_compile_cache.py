@@ -221,6 +221,15 @@ def test_on_miss_background_compiles_while_the_eager_step_serves():
     assert len(spec._steps.events) == n  # every step compiled: no eager step, no compile
 
 
+def test_close_waits_for_a_background_compile():
+    _, spec = _pair()
+    spec.compile(backend=CountingBackend(), on_miss="background")
+    spec.generate([[1, 2, 3]], max_new_tokens=4)
+    thread = spec._steps._background.get(StepKey(1, spec.verify_len, False, None))
+    spec.close()  # the trace reads the hooks close() removes: it must be over first
+    assert thread is None or not thread.is_alive()
+
+
 def test_the_fingerprint_does_not_depend_on_where_the_model_was_loaded_from(tmp_path):
     from dflash_compile.compiled_step import fingerprint
 
