@@ -202,7 +202,9 @@ class _InProcessStep:
     def __call__(self, *args, **kwargs):
         if self._pages_range is not None:  # each step's table is a fresh tensor: mark it as the capture did
             torch._dynamo.mark_dynamic(args[2], 1, min=self._pages_range[0], max=self._pages_range[1])
-        with _TRACING, torch._dynamo.config.patch(automatic_dynamic_shapes=False):
+        cfg = torch._dynamo.config  # every wrapper shares forward's code object, hence one dynamo cache for all keys
+        with _TRACING, cfg.patch(automatic_dynamic_shapes=False,
+                                 recompile_limit=max(cfg.recompile_limit, cfg.accumulated_recompile_limit)):
             return self._fn(*args, **kwargs)
 
 

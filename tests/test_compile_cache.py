@@ -239,3 +239,24 @@ def test_the_fingerprint_does_not_depend_on_where_the_model_was_loaded_from(tmp_
     assert fingerprint(spec, "dflash", None, {}) == first
     target.config.rms_norm_eps = 1e-3  # a config value is part of it
     assert fingerprint(spec, "dflash", None, {}) != first
+
+
+def test_a_step_dynamo_cannot_package_compiles_in_process(monkeypatch, caplog, tmp_path):
+    # When the ahead-of-time capture cannot package a step (an unpicklable object in its guard state), the key is
+    # compiled the ordinary way and kept in memory, said once; tokens stay exact and nothing is saved.
+    import torch._dynamo.aot_compile
+
+    def refuse(*args, **kwargs):
+        raise torch._dynamo.exc.PackageError("an object in the guard state does not pickle")
+
+    monkeypatch.setattr(torch._dynamo.aot_compile, "aot_compile_fullgraph", refuse)
+    target, spec = _pair()
+    spec.compile(backend="dflash", cache_dir=tmp_path)
+    prompts = random_prompts([7, 40], 6)
+    with caplog.at_level(logging.WARNING, logger="dflash_compile"):
+        for p in prompts:
+            assert _new_tokens(spec, p, 30) == _reference(target, p, 30)
+    said = [r.getMessage() for r in caplog.records if "cannot be saved" in r.getMessage()]
+    assert len(said) == 1 and "PackageError" in said[0]
+    assert [how for _, how, _ in spec._steps.events] == ["compiled"]
+    assert not list(tmp_path.rglob("*.pt2"))
