@@ -94,7 +94,8 @@ def main() -> None:
     lines = ["# One step graph for every context length vs one per context bucket (1 thread, ms per step, median "
              f"of {args.repeats} rounds of {args.calls} calls)", "",
              "Command: `python benchmarks/bench_context.py " + " ".join(sys.argv[1:]) + "`", "",
-             "| batch | context | " + " | ".join(names) + " | dynamic / static |", "|---|---|" + "---|" * (len(names) + 1)]
+             "| batch | context | " + " | ".join(names) + " | dynamic / static |",
+             "|---|---|" + "---|" * (len(names) + 1)]
     for r in rows:
         lines.append(f"| {r['batch']} | {r['context']} | " + " | ".join(f"{r['ms'][n]:.3f}" for n in names)
                      + f" | {r['dynamic_over_static']:.3f} |")

@@ -29,15 +29,16 @@ from torch.fx.experimental.proxy_tensor import make_fx
 log = logging.getLogger(__name__)
 
 #: Inductor settings for the step. No freezing: dynamo hands module parameters to the backend as graph inputs, so
-#: freezing would fold only the graph's own constants (the default pair's step: 6.53 ms with it, 6.55 without, batch
-#: 1, one thread), and its output cannot be saved by torch's ahead-of-time capture (``compiled_step.py``).
+#: freezing would fold only the graph's own constants (``benchmarks/bench_freezing.py``: the default pair's step
+#: 7.461 ms with it, 7.505 without, batch 1, context 300, one thread), and its output cannot be saved by torch's
+#: ahead-of-time capture (``compiled_step.py``).
 INDUCTOR_OPTIONS = {"freezing": False}
 #: Added for CPU graphs: a C++ wrapper around the kernels (the Python one cost ~0.8 ms per call of the default
 #: pair's step), built as two translation units (the wrapper at -O1, the kernels at -O3) compiled in parallel, with
 #: no precompiled header (building one costs more than it saves for the step's one or two units): the shipped pair's
 #: cold compile 38.5 -> 22.0 s at batch 1 and 34.3 -> 28.9 s at batch 8, the step 6.905 -> 6.893 ms and 32.10 ->
-#: 32.31 ms (one thread, context 500; ``benchmarks/bench_cpu_options.py``). Not on CUDA, where it is unmeasured here and CUDA graphs are the way to hide
-#: launch overhead.
+#: 32.31 ms (one thread, context 500; ``benchmarks/bench_cpu_options.py``). Not on CUDA, where it is unmeasured
+#: here and CUDA graphs are the way to hide launch overhead.
 CPU_INDUCTOR_OPTIONS = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True, "cpp_cache_precompile_headers": False}
 _said: set[str] = set()
 

@@ -253,9 +253,13 @@ class CompiledSteps:
         return (_detached, ())
 
     # ------------------------------------------------------------------ keys
+    @property
+    def serves_every_context(self) -> bool:
+        """Whether one graph per key serves every context length (else the context pages are part of the key)."""
+        return self.dynamic_context and self._pages_range() is not None
+
     def key(self, batch: int, context_pages: int, sampled: bool) -> StepKey:
-        dynamic = self.dynamic_context and self._pages_range() is not None
-        return StepKey(batch, self.spec.verify_len, sampled, None if dynamic else context_pages)
+        return StepKey(batch, self.spec.verify_len, sampled, None if self.serves_every_context else context_pages)
 
     def _pages_range(self) -> tuple[int, int] | None:
         """The dynamic page dimension's range, or None where the capacity is too small for one."""
@@ -341,7 +345,7 @@ class CompiledSteps:
         fn = self._load(key)
         if fn is None:
             self._compile(key, args, kwargs)
-        how, _, seconds = self.events[-1][1], None, self.events[-1][2]
+        _, how, seconds = next(e for e in reversed(self.events) if e[0] == key)
         return how, seconds
 
     # ------------------------------------------------------------------ compile, save, load

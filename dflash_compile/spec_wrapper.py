@@ -312,8 +312,8 @@ class DFlashSpecWrapper(nn.Module):
         request ever waits for a compile. ``batch_sizes``: the batch sizes to serve (default: every batch bucket;
         each is rounded up to its bucket); ``sampling``: False (greedy steps), True (sampled steps) or
         ``"both"``. Static-context backends (``dflash_neuron``) compile every context bucket too. A progress bar
-        (tqdm) shows each key; returns ``{str(key): (how, seconds)}`` with ``how`` ``"compiled"`` or
-        ``"loaded"``. Call :meth:`compile` first."""
+        (tqdm) shows each key; returns ``{str(key): (how, seconds)}`` with ``how`` ``"compiled"``, ``"loaded"`` or
+        ``"ready"`` (already in memory). Call :meth:`compile` first."""
         from tqdm.auto import tqdm
 
         if self._steps is None:
@@ -325,7 +325,7 @@ class DFlashSpecWrapper(nn.Module):
             raise ValueError(f"batch_sizes {bad} are outside [1, max_batch_size={self.max_batch_size}]")
         buckets = sorted({self.batch_bucket(b) for b in batch_sizes}) if batch_sizes else list(self.batch_buckets)
         modes = [False, True] if sampling == "both" else [bool(sampling)]
-        pages = [None] if self._steps.key(1, 0, False).context_pages is None else list(self.context_buckets)
+        pages = [None] if self._steps.serves_every_context else list(self.context_buckets)
         keys = [(b, p, m) for b in buckets for m in modes for p in pages]
         cache = self.kv_cache()
         report = {}
@@ -565,7 +565,7 @@ class DFlashSpecWrapper(nn.Module):
         """Pages a step over ``num_tokens`` positions gets: the live pages (at least 2) when the compiled step serves
         every context length, else those of the smallest context bucket that holds them (capped at capacity)."""
         need = -(-min(num_tokens, self.max_seq_len) // self.page_size)
-        if self._steps is not None and self._steps.key(1, need, False).context_pages is None:
+        if self._steps is not None and self._steps.serves_every_context:
             return min(max(need, 2), -(-self.max_seq_len // self.page_size))  # one graph for all: the live pages
         return next(b for b in self.context_buckets if b >= need)
 
