@@ -82,3 +82,17 @@ def run(name: str, bench, args, title: str, extra: tuple[str, ...] = ()) -> None
     """``bench(device, args) -> rows`` on every device here, then :func:`report`."""
     torch.set_num_threads(args.threads)
     report(name, args, [row for device in devices() for row in bench(device, args)], title, extra)
+
+
+def load_pair(target_dir=None, draft_dir=None):
+    """``(target, drafter)`` in fp32, the target in eval mode: the shipped default pair unless directories are given."""
+    from transformers import AutoModelForCausalLM
+
+    from dflash_compile import DFlashDraftModel
+
+    if target_dir is None:
+        from dflash_compile.assets import default_pair_paths
+
+        target_dir, draft_dir = default_pair_paths()
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    return target, DFlashDraftModel.from_pretrained(draft_dir, dtype=torch.float32)

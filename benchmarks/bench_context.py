@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-from dflash_compile import DFlashDraftModel, DFlashSpecWrapper
+from _harness import load_pair
+from dflash_compile import DFlashSpecWrapper
 from dflash_compile.compiled_step import CompiledSteps
 from dflash_compile.generation import resolve_generation_args
 
@@ -39,14 +40,7 @@ def main() -> None:
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = p.parse_args()
     torch.set_num_threads(1)
-    from transformers import AutoModelForCausalLM
-
-    if args.target is None:
-        from dflash_compile.assets import default_pair_paths
-
-        args.target, args.draft = (str(x) for x in default_pair_paths())
-    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
-    draft = DFlashDraftModel.from_pretrained(args.draft, dtype=torch.float32)
+    target, draft = load_pair(args.target, args.draft)
     spec = DFlashSpecWrapper(target, draft, max_batch_size=max(args.batches), max_seq_len=max(args.contexts))
     graphs = {
         "static (one per context bucket)": CompiledSteps(spec, "dflash", cache_dir=args.cache_dir,

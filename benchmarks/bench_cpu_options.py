@@ -18,7 +18,8 @@ import time
 
 import torch
 
-from dflash_compile import DFlashDraftModel, DFlashSpecWrapper
+from _harness import load_pair
+from dflash_compile import DFlashSpecWrapper
 from dflash_compile.compiled_step import CompiledSteps
 from dflash_compile.generation import resolve_generation_args
 
@@ -35,13 +36,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=7)
     args = p.parse_args()
     torch.set_num_threads(1)
-    from transformers import AutoModelForCausalLM
-
-    from dflash_compile.assets import default_pair_paths
-
-    target_dir, draft_dir = default_pair_paths()
-    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    draft = DFlashDraftModel.from_pretrained(draft_dir, dtype=torch.float32)
+    target, draft = load_pair()
     spec = DFlashSpecWrapper(target, draft, max_batch_size=max(args.batches), max_seq_len=2048)
     steps = {name: CompiledSteps(spec, "dflash", cache_dir=tempfile.mkdtemp(), options=options)
              for name, options in VARIANTS.items()}

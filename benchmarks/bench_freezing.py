@@ -16,7 +16,8 @@ import time
 
 import torch
 
-from dflash_compile import DFlashDraftModel, DFlashSpecWrapper
+from _harness import load_pair
+from dflash_compile import DFlashSpecWrapper
 from dflash_compile.backends import dflash_backend
 from dflash_compile.generation import resolve_generation_args
 
@@ -28,13 +29,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=7)
     args = p.parse_args()
     torch.set_num_threads(1)
-    from transformers import AutoModelForCausalLM
-
-    from dflash_compile.assets import default_pair_paths
-
-    target_dir, draft_dir = default_pair_paths()
-    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    draft = DFlashDraftModel.from_pretrained(draft_dir, dtype=torch.float32)
+    target, draft = load_pair()
     spec = DFlashSpecWrapper(target, draft, max_seq_len=1024, max_batch_size=args.batch)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(10, 4000, (args.context,), generator=g).tolist() for _ in range(args.batch)]
