@@ -68,21 +68,26 @@ def default_cache_dir() -> Path:
 @dataclasses.dataclass(frozen=True, order=True)
 class StepKey:
     """What tells one step graph from another: ``batch`` rows, ``verify_len`` tokens per row (``K + 1``), greedy or
-    ``sampled``, and ``context_pages`` (None: every context length, the dynamic graph)."""
+    ``sampled``, ``context_pages`` (None: every context length, the dynamic graph) and whether it ``propose``s the
+    next block (a step before a plain ``K = 0`` step does not)."""
 
     batch: int
     verify_len: int
     sampled: bool
     context_pages: int | None = None
+    propose: bool = True
 
     @property
     def filename(self) -> str:
         ctx = "any" if self.context_pages is None else str(self.context_pages)
-        return f"step-b{self.batch}-v{self.verify_len}-{'sampled' if self.sampled else 'greedy'}-ctx{ctx}.pt2"
+        plain = "" if self.propose else "-noprop"
+        return f"step-b{self.batch}-v{self.verify_len}{plain}-{'sampled' if self.sampled else 'greedy'}-ctx{ctx}.pt2"
 
     def __str__(self) -> str:
         ctx = "every context" if self.context_pages is None else f"{self.context_pages} pages"
-        return f"batch {self.batch}, K {self.verify_len - 1}, {'sampled' if self.sampled else 'greedy'}, {ctx}"
+        plain = "" if self.propose else " (no proposal)"
+        return (f"batch {self.batch}, K {self.verify_len - 1}{plain}, {'sampled' if self.sampled else 'greedy'}, "
+                f"{ctx}")
 
 
 @functools.cache
@@ -258,8 +263,8 @@ class CompiledSteps:
         """Whether one graph per key serves every context length (else the context pages are part of the key)."""
         return self.dynamic_context and self._pages_range() is not None
 
-    def key(self, batch: int, context_pages: int, sampled: bool) -> StepKey:
-        return StepKey(batch, self.spec.verify_len, sampled, None if self.serves_every_context else context_pages)
+    def key(self, batch: int, context_pages: int, sampled: bool, verify_len: int, propose: bool = True) -> StepKey:
+        return StepKey(batch, verify_len, sampled, None if self.serves_every_context else context_pages, propose)
 
     def _pages_range(self) -> tuple[int, int] | None:
         """The dynamic page dimension's range, or None where the capacity is too small for one."""
@@ -313,7 +318,8 @@ class CompiledSteps:
         Dynamo traces on fake tensors (it reads the pools' shapes, never their contents), so the eager steps the
         host loop runs meanwhile are untouched."""
         cache = self.spec.kv_cache()
-        args, kwargs = self.spec._example_step_inputs(cache, key.batch, key.context_pages or 2, key.sampled)
+        args, kwargs = self.spec._example_step_inputs(cache, key.batch, key.context_pages or 2, key.sampled,
+                                                      key.verify_len - 1, key.propose)
 
         def work():
             try:

@@ -10,33 +10,49 @@ import torch
 
 @dataclass
 class DFlashStats:
-    """Speculation counters (vLLM names). ``acceptance_length`` = 1 + accepted / drafts."""
+    """Speculation counters (vLLM names) and the ``K`` of every step (``step_ks``; a step at ``K = 0`` verified no
+    draft: plain decoding). ``num_drafts`` counts the steps that verified drafts, ``acceptance_length`` = 1 +
+    accepted / drafts over those steps."""
 
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    step_ks: list[int] = field(default_factory=list)
 
     @property
     def acceptance_length(self) -> float:
         return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
 
+    @property
+    def num_steps(self) -> int:
+        return len(self.step_ks)
+
     def record(self, num_speculative_tokens: int, num_accepted: int) -> None:
-        if not self.num_accepted_tokens_per_pos:
-            self.num_accepted_tokens_per_pos = [0] * num_speculative_tokens
+        """One step that verified ``num_speculative_tokens`` drafts and accepted ``num_accepted`` of them."""
+        K = num_speculative_tokens
+        self.step_ks.append(K)
+        if K == 0:
+            return
+        self.num_accepted_tokens_per_pos += [0] * (K - len(self.num_accepted_tokens_per_pos))
         self.num_drafts += 1
-        self.num_draft_tokens += num_speculative_tokens
+        self.num_draft_tokens += K
         self.num_accepted_tokens += num_accepted
         for i in range(num_accepted):
             self.num_accepted_tokens_per_pos[i] += 1
 
     @classmethod
     def total(cls, parts: list["DFlashStats"], num_speculative_tokens: int) -> "DFlashStats":
+        """The counters of ``parts`` summed (``num_accepted_tokens_per_pos`` over ``num_speculative_tokens``
+        positions at least; ``step_ks`` concatenated)."""
         out = cls(num_accepted_tokens_per_pos=[0] * num_speculative_tokens)
         for p in parts:
             out.num_drafts += p.num_drafts
             out.num_draft_tokens += p.num_draft_tokens
             out.num_accepted_tokens += p.num_accepted_tokens
+            out.step_ks += p.step_ks
+            out.num_accepted_tokens_per_pos += [0] * (len(p.num_accepted_tokens_per_pos)
+                                                      - len(out.num_accepted_tokens_per_pos))
             for i, n in enumerate(p.num_accepted_tokens_per_pos):
                 out.num_accepted_tokens_per_pos[i] += n
         return out
@@ -49,9 +65,10 @@ class DFlashGenerateOutput:
     ``sequences [B, L + new]`` (prompt included, finished rows padded with ``pad_token_id``); the counters
     are whole-batch totals, ``per_request`` has the same counters for each row, ``finish_reasons`` is
     ``"stop"`` (an eos token or a stop string) or ``"length"`` (``max_new_tokens`` or capacity) per row.
-    ``drafts`` (only with ``generate(..., output_drafts=True)``, else None): per row, the ``block_size - 1``
-    drafts the target verified at each step, in order; with ``sequences`` they determine every step's
-    acceptance, so drafting can be checked, not only the (lossless) output.
+    ``drafts`` (only with ``generate(..., output_drafts=True)``, else None): per row, the ``K`` drafts the target
+    verified at each step, in order; with ``sequences`` they determine every step's acceptance, so drafting can be
+    checked, not only the (lossless) output. ``step_ks``: per row, the ``K`` of each of its steps (also
+    ``per_request[i].step_ks``).
     """
 
     sequences: torch.Tensor
@@ -65,6 +82,7 @@ class DFlashGenerateOutput:
     num_new_tokens: list[int] = field(default_factory=list)  # generated tokens per row (before end padding)
     prompt_width: int = 0  # sequences[:, :prompt_width] is the (left-padded) prompt
     drafts: list[list[list[int]]] | None = None
+    step_ks: list[list[int]] = field(default_factory=list)
 
     @classmethod
     def build(cls, sequences, per_request, finish_reasons, num_speculative_tokens, num_new_tokens=(), prompt_width=0,
@@ -82,6 +100,7 @@ class DFlashGenerateOutput:
             num_new_tokens=list(num_new_tokens),
             prompt_width=prompt_width,
             drafts=drafts,
+            step_ks=[list(p.step_ks) for p in per_request],
         )
 
 

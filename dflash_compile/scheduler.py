@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
+import time
 from collections import deque
 from concurrent.futures import CancelledError
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .generation import DFlashStats, GenerationArgs
+from .speculation import AcceptanceHistory, StepView
 
 _END = object()
 
@@ -48,6 +50,12 @@ class _Request:
     error: BaseException | None = None
     cancelled: bool = False
     handle: RequestHandle | None = None
+    acceptance: AcceptanceHistory | None = None  # per-position acceptance, for the speculation policy
+
+    @property
+    def remaining(self) -> int:
+        """New tokens it may still produce."""
+        return self.args.max_new_tokens - len(self.new)
 
 
 @dataclass
@@ -114,10 +122,11 @@ class _Batch:
     joins, leaves (the last row moves into the hole) or needs another KV block (one table entry). ``grow`` makes
     room for more rows (contents kept)."""
 
-    def __init__(self, num_rows: int, verify_len: int, blocks_per_seq: int, device):
+    def __init__(self, num_rows: int, block_size: int, blocks_per_seq: int, device):
         long = dict(dtype=torch.long, device=device)
         self.rows: list[_Request] = []
-        self.block = torch.zeros(num_rows, verify_len, **long)  # bonus + drafts to verify next
+        self.block = torch.zeros(num_rows, block_size, **long)  # the bonus and the drafts after it
+        self.drafted = True  # the last step proposed: ``block[:, 1:]`` holds drafts (else only the bonus is fresh)
         self.seq_lens = torch.zeros(num_rows, **long)
         self.tables = torch.full((num_rows, blocks_per_seq), -1, **long)
         self.active = torch.zeros(num_rows, dtype=torch.bool, device=device)
@@ -126,7 +135,7 @@ class _Batch:
         self.top_k = torch.zeros(num_rows, **long)
         self.top_p = torch.ones(num_rows, device=device)
         self.state_slots = torch.zeros(num_rows, **long)  # each row's slot in the recurrent-state pools
-        self.draft_probs: torch.Tensor | None = None  # [num_rows, K, V], allocated when a row samples
+        self.draft_probs: torch.Tensor | None = None  # [num_rows, B-1, V], allocated when a row samples
 
     _BUFFERS = ("block", "seq_lens", "tables", "active", "do_sample", "temperature", "top_k", "top_p", "state_slots",
                 "draft_probs")
@@ -179,6 +188,8 @@ class Scheduler:
         self._ids = itertools.count()
         self.batch: _Batch | None = None
         self.cache = None
+        self._last_k = 0
+        self._timed: set[tuple] = set()  # step variants already run once (their first call is not timed)
 
     # ------------------------------------------------------------------ any thread
     def submit(self, prompt: list[int], args: GenerationArgs, generator: torch.Generator | None = None) -> RequestHandle:
@@ -322,9 +333,9 @@ class Scheduler:
             return
         self.cache = cache = self._pools(new)
         device = cache.device
-        K = spec.num_speculative_tokens
+        B = spec.block_size
         if self.batch is None:
-            self.batch = _Batch(spec.batch_bucket(len(new)), K + 1, cache.blocks_per_seq, device)
+            self.batch = _Batch(spec.batch_bucket(len(new)), B, cache.blocks_per_seq, device)
         batch = self.batch
         if batch.tables.shape[1] != cache.blocks_per_seq:
             raise RuntimeError("the pools' pages per request changed under a running batch")
@@ -335,6 +346,7 @@ class Scheduler:
         for j, r in enumerate(new):
             i = first + j
             r.seq_len = len(r.prompt)
+            r.acceptance = spec.policy.history(B - 1)
             self._grow(i, r, r.seq_len)
             batch.seq_lens[i] = r.seq_len
             batch.active[i] = True
@@ -350,11 +362,11 @@ class Scheduler:
         sampling = None
         if any(r.args.do_sample for r in new):
             if batch.draft_probs is None:
-                batch.draft_probs = torch.zeros(batch.capacity, K, spec.draft.config.vocab_size, device=device)
-            u = self._uniforms(new, len(new), prefill=True).to(device)
+                batch.draft_probs = torch.zeros(batch.capacity, B - 1, spec.draft.config.vocab_size, device=device)
+            u = self._uniforms(new, len(new), 1 + (B - 1)).to(device)
             sampling = spec.sampling_inputs(
                 batch.do_sample[rows], batch.temperature[rows], batch.top_k[rows], batch.top_p[rows],
-                batch.draft_probs[rows], torch.zeros(len(new), K, device=device), u[:, 0], u[:, 1:],
+                batch.draft_probs[rows], torch.zeros(len(new), B - 1, device=device), u[:, 0], u[:, 1:],
             )
         tables = batch.tables[rows, :pages]
         state_slots = batch.state_slots[rows] if cache.has_states else None
@@ -370,24 +382,48 @@ class Scheduler:
                 self._finish(r)
 
     def _step(self) -> None:
-        """One speculative step of the running rows: one call of ``forward``, one host read."""
+        """One speculative step of the running rows: the policy picks its ``K`` (how many of the proposed drafts
+        it verifies) and whether it proposes the next block; one call of ``forward``, one host read."""
         spec, batch, cache = self.spec, self.batch, self.cache
-        K, rows = spec.num_speculative_tokens, batch.rows
-        bucket, step_inputs = self._step_inputs()
+        rows = batch.rows
         sampled = any(r.args.do_sample for r in rows)
-        sampling = (self._sampling(bucket),) if sampled else ()
+        bucket = spec.batch_bucket(len(rows))
+        view = StepView(bucket, list(rows), spec.context_bucket(self._longest(spec.verify_len)), sampled,
+                        self._last_k)
+        plan = spec.policy.choose(view)
+        K = plan.k if batch.drafted else 0  # after a step that did not propose, only the bonus is fresh
+        bucket, step_inputs = self._step_inputs(K)
+        view.pages = step_inputs[2].shape[1]
+        sampling = (self._sampling(bucket, K, plan.propose),) if sampled else ()
         states = {"state_slots": batch.state_slots[:bucket]} if cache.has_states else {}
-        tokens, num_accepted, next_block, next_probs = spec.step(*step_inputs, *sampling, **states)
         drafts = any(r.args.output_drafts for r in rows)
-        verified = batch.block[:bucket, 1:].tolist() if drafts else None  # before it is overwritten
-        batch.block[:bucket] = next_block
+        verified = batch.block[:bucket, 1:K + 1].tolist() if drafts else None
+        first_draft = batch.block[:bucket, 1].clone() if K == 0 and batch.drafted else None
+        variant = (bucket, K, plan.propose, sampled, step_inputs[2].shape[1] if not spec.compiled else 0)
+        events = len(spec._steps.events) if spec.compiled else 0
+        start = time.perf_counter()
+        tokens, num_accepted, next_block, next_probs = spec.step(*step_inputs, *sampling, **states,
+                                                                 propose=plan.propose)
+        token_list = tokens.tolist()  # the step's one host read (it waits for the step)
+        seconds = time.perf_counter() - start
+        if variant not in self._timed or (spec.compiled and len(spec._steps.events) != events):
+            seconds = None  # a first call, or one that compiled or loaded a graph: not the step's cost
+        self._timed.add(variant)
+        agreed = ((first_draft == tokens[:, 0]).tolist() if first_draft is not None else [None] * bucket)
+        batch.block[:bucket, : next_block.shape[1]] = next_block
+        batch.drafted = plan.propose
         batch.seq_lens[:bucket] += num_accepted + batch.active[:bucket]
         if next_probs is not None:
             batch.draft_probs[:bucket] = next_probs
-        tokens = tokens.tolist()  # the step's one host read
+        accepted = []
+        for row in token_list[: len(rows)]:
+            accepted.append((row.index(-1) - 1 if -1 in row else K) if K > 0 else None)
+        spec.policy.observe(view, K, plan.propose, seconds, accepted, agreed[: len(rows)])
+        self._last_k = K
+        tokens = token_list
         for i in range(len(rows) - 1, -1, -1):  # backwards: a finished row is replaced by the last one
             r, row = rows[i], tokens[i]
-            a = row.index(-1) - 1 if -1 in row else K
+            a = accepted[i] or 0
             r.stats.record(K, a)
             if verified is not None:
                 r.drafts.append(verified[i])
@@ -399,19 +435,23 @@ class Scheduler:
                 batch.remove(i)
                 self._finish(r)
 
-    def _step_inputs(self) -> tuple[int, tuple]:
-        """``(bucket, forward's inputs)`` for the running rows: the smallest batch bucket that holds them and the
-        pages that hold every row's next verify block (``spec.context_bucket``; KV blocks allocated as needed)."""
+    def _longest(self, verify_len: int) -> int:
+        return max(r.seq_len for r in self.batch.rows) + verify_len
+
+    def _step_inputs(self, K: int | None = None) -> tuple[int, tuple]:
+        """``(bucket, forward's inputs)`` for the running rows verifying ``K`` drafts (default: the most the policy
+        may verify): the smallest batch bucket that holds them and the pages that hold every row's verify block
+        (``spec.context_bucket``; KV blocks allocated as needed)."""
         spec, batch, cache = self.spec, self.batch, self.cache
+        K = spec.num_speculative_tokens if K is None else K
         bucket = spec.batch_bucket(len(batch.rows))
-        longest = 0
         for i, r in enumerate(batch.rows):
-            longest = max(longest, r.seq_len + spec.verify_len)
-            self._grow(i, r, r.seq_len + spec.verify_len)
-        pages = spec.context_bucket(longest)
+            self._grow(i, r, r.seq_len + K + 1)
+        pages = spec.context_bucket(self._longest(K + 1))
         # Every step input has row-major strides: a compiled step's guards (and a saved graph's) match on strides too.
-        return bucket, (batch.block[:bucket], batch.seq_lens[:bucket], _dense(batch.tables[:bucket, :pages]),
-                        batch.active[:bucket], cache.target_pools, cache.draft_pool)
+        return bucket, (_dense(batch.block[:bucket, : K + 1]), batch.seq_lens[:bucket],
+                        _dense(batch.tables[:bucket, :pages]), batch.active[:bucket], cache.target_pools,
+                        cache.draft_pool)
 
     def _grow(self, i: int, r: _Request, num_tokens: int) -> None:
         """Allocate KV blocks so row ``i`` (request ``r``) covers ``num_tokens`` positions (capped at capacity)."""
@@ -422,24 +462,24 @@ class Scheduler:
             batch.tables[i, r.pages : len(owned)] = torch.tensor(owned[r.pages :], dtype=torch.long)
             r.pages = len(owned)
 
-    def _uniforms(self, rows: list[_Request], num_rows: int, prefill: bool) -> torch.Tensor:
-        """This step's uniforms ``[num_rows, draws]``, drawn on the host from each request's generator in a fixed
-        order (``[u_accept (K), u_bonus, u_draft (K)]``; no ``u_accept`` at prefill); zeros for other rows."""
-        K = self.spec.num_speculative_tokens
-        draws = 1 + K if prefill else 1 + 2 * K
+    def _uniforms(self, rows: list[_Request], num_rows: int, draws: int) -> torch.Tensor:
+        """This step's ``draws`` uniforms per row ``[num_rows, draws]``, drawn on the host from each request's
+        generator in a fixed order (``[u_accept (K), u_bonus, u_draft (B-1, when the step proposes)]``; no
+        ``u_accept`` at prefill); zeros for other rows."""
         u = torch.zeros(num_rows, draws)
         for i, r in enumerate(rows):
             if r.generator is not None and r.args.do_sample:
                 u[i] = torch.rand(draws, generator=r.generator)
         return u
 
-    def _sampling(self, bucket: int):
-        """The step's ``SamplingInputs`` for the first ``bucket`` rows."""
-        batch, K = self.batch, self.spec.num_speculative_tokens
-        u = self._uniforms(batch.rows, bucket, prefill=False).to(batch.block.device)
+    def _sampling(self, bucket: int, K: int, propose: bool):
+        """The step's ``SamplingInputs`` for the first ``bucket`` rows verifying ``K`` drafts."""
+        batch, B = self.batch, self.spec.block_size
+        u = self._uniforms(batch.rows, bucket, K + 1 + (B - 1 if propose else 0)).to(batch.block.device)
+        u_draft = u[:, K + 1:] if propose else torch.zeros(bucket, B - 1, device=u.device)
         return self.spec.sampling_inputs(
             batch.do_sample[:bucket], batch.temperature[:bucket], batch.top_k[:bucket], batch.top_p[:bucket],
-            batch.draft_probs[:bucket], _dense(u[:, :K]), _dense(u[:, K]), _dense(u[:, K + 1:]),
+            _dense(batch.draft_probs[:bucket, :K]), _dense(u[:, :K]), _dense(u[:, K]), _dense(u_draft),
         )
 
     def _emit(self, r: _Request, token: int) -> bool:

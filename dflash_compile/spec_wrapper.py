@@ -29,6 +29,7 @@ from .kv_cache import (
 from .recurrent import StateAccess, step_by_token, unstep
 from .rejection import greedy_accept, process_logits, sample_from, speculative_accept
 from .scheduler import Scheduler, request_generators
+from .speculation import BatchSizeSchedule, FixedK, GoodputPolicy, SpeculationPolicy, default_ks
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16)
 _MASKABLE = ("sdpa", "eager")
@@ -58,16 +59,34 @@ def validate_pair(target: nn.Module, draft: DFlashDraftModel, num_speculative_to
         raise ValueError(f"mask_token_id {dflash.mask_token_id} >= target vocab_size {target_vocab}")
     K = num_speculative_tokens
     if K is not None and (isinstance(K, bool) or not isinstance(K, numbers.Integral)
-                          or not 1 <= K <= dflash.block_size - 1):
+                          or not 0 <= K <= dflash.block_size - 1):
         raise ValueError(
             f"num_speculative_tokens={K!r}: a DFlash drafter with block_size {dflash.block_size} proposes "
-            f"block_size - 1 = {dflash.block_size - 1} tokens, so 1 <= num_speculative_tokens <= {dflash.block_size - 1}"
+            f"block_size - 1 = {dflash.block_size - 1} tokens, so 0 <= num_speculative_tokens <= "
+            f"{dflash.block_size - 1} (0: plain decoding)"
         )
     tp, dp = next(target.parameters()), next(draft.parameters())
     if tp.dtype != dp.dtype:
         raise ValueError(f"dtype mismatch: drafter {dp.dtype}, target {tp.dtype}; call draft.to({tp.dtype})")
     if tp.device != dp.device:
         raise ValueError(f"device mismatch: drafter on {dp.device}, target on {tp.device}")
+
+
+def _policy(speculation, num_speculative_tokens: int | None, block_size: int) -> SpeculationPolicy:
+    """The constructor's ``speculation`` argument -> a policy (see ``DFlashSpecWrapper``)."""
+    K = num_speculative_tokens
+    if speculation is None:
+        speculation = "auto" if K is None else "fixed"
+    if isinstance(speculation, SpeculationPolicy):
+        return speculation
+    if isinstance(speculation, dict):
+        return BatchSizeSchedule(speculation, block_size - 1 if K is None else K)
+    if speculation == "fixed":
+        return FixedK(block_size - 1 if K is None else K)
+    if speculation == "auto":
+        return GoodputPolicy(None if K is None else tuple(k for k in default_ks(block_size) if k < K) + (K,))
+    raise ValueError(f"speculation={speculation!r}: expected 'auto', 'fixed', a num_speculative_tokens_per_batch_size "
+                     f"dict or a SpeculationPolicy")
 
 
 def _target_layer_kinds(tcfg) -> tuple[tuple[str, ...] | None, int | None]:
@@ -107,10 +126,10 @@ class SamplingInputs(NamedTuple):
     """Per-row sampling state of one step (all tensors, so one compiled graph serves greedy and sampled rows).
 
     ``do_sample``, ``temperature``, ``top_k``, ``top_p``: ``[Bk]`` (greedy rows ignore the last three).
-    ``draft_probs [Bk, B-1, V]``: the drafter's processed distribution that drew the block's drafts — the full
-    rows, because the residual ``max(p_target - p_draft, 0)`` needs them (``Bk * (B-1) * V`` floats: 16 x 15 x
+    ``draft_probs [Bk, K, V]``: the drafter's processed distribution that drew the ``K`` drafts verified — the full
+    rows, because the residual ``max(p_target - p_draft, 0)`` needs them (``Bk * K * V`` floats: 16 x 15 x
     152k fp32 is ~146 MB, fine for the vocabularies here; a large-vocab deployment would keep it in bf16).
-    ``u_accept [Bk, B-1]``, ``u_bonus [Bk]``, ``u_draft [Bk, B-1]``: uniforms in [0, 1) drawn on the host from each
+    ``u_accept [Bk, K]``, ``u_bonus [Bk]``, ``u_draft [Bk, B-1]``: uniforms in [0, 1) drawn on the host from each
     request's own generator, for the acceptance tests, the residual/bonus sample and the next block's drafts.
     """
 
@@ -130,10 +149,15 @@ class DFlashSpecWrapper(nn.Module):
     Args:
         target: any HF causal LM (``sdpa`` or ``eager`` attention).
         draft: a ``DFlashDraftModel`` for it (bound to ``target`` here).
-        num_speculative_tokens: ``K``, the drafts verified per step, ``1 <= K <= block_size - 1`` (default
-            ``block_size - 1``). The drafter always drafts its whole block; a smaller ``K`` verifies only its
-            first ``K`` drafts, a shorter target forward (faster where verify is compute-bound). Each ``K`` is its
-            own step graph.
+        num_speculative_tokens: ``K``, the drafts every step verifies, ``0 <= K <= block_size - 1`` (``0``: plain
+            decoding). The drafter always drafts its whole block; a smaller ``K`` verifies only its first ``K``
+            drafts, a shorter target forward. Given, it fixes ``K`` (unless ``speculation`` says otherwise, where it
+            is the largest ``K`` used); not given, ``speculation="auto"`` chooses.
+        speculation: how each step's ``K`` is chosen (``speculation.py``): ``"auto"`` (the default without
+            ``num_speculative_tokens``: the ``K`` that maximises the batch's expected tokens per second, from step
+            costs measured on this machine and each request's acceptance), ``"fixed"``, a vLLM
+            ``num_speculative_tokens_per_batch_size`` dict (``{"1-4": 7, "5-16": 1}``) or a ``SpeculationPolicy``.
+            Every ``K`` it may use is its own step graph (``spec.speculative_ks``).
         max_batch_size: the most requests decoded at once (larger batches are queued).
         max_seq_len: capacity per request, prompt included (default: ``min(max_position_embeddings, 2048)``).
         page_size: KV block size, in tokens.
@@ -160,6 +184,7 @@ class DFlashSpecWrapper(nn.Module):
         draft: DFlashDraftModel,
         num_speculative_tokens: int | None = None,
         *,
+        speculation: str | dict | SpeculationPolicy | None = None,
         max_batch_size: int = 8,
         max_seq_len: int | None = None,
         page_size: int = 16,
@@ -201,7 +226,12 @@ class DFlashSpecWrapper(nn.Module):
         self._stepping = False  # recurrent mixers run token by token (installed with the pools; close() undoes)
         self._layout = None  # ((device, dtype), what each target layer caches: kv_cache.probe_layout)
         self.max_cache_bytes = max_cache_bytes
-        self.num_speculative_tokens = num_speculative_tokens or self.block_size - 1
+        self.policy = _policy(speculation, num_speculative_tokens, self.block_size)
+        self.speculative_ks = self.policy.ks(self.block_size)
+        bad = [k for k in self.speculative_ks if not 0 <= k <= self.block_size - 1]
+        if not self.speculative_ks or bad:
+            raise ValueError(f"speculation policy K values {bad or '(none)'} are outside [0, {self.block_size - 1}]")
+        self.num_speculative_tokens = max(self.speculative_ks)  # the most a step verifies (sizes the pools)
         self._steps = None  # CompiledSteps once compile() is called
         self.scheduler = Scheduler(self)
 
@@ -211,23 +241,33 @@ class DFlashSpecWrapper(nn.Module):
 
     @property
     def verify_len(self) -> int:
-        """Tokens the target verifies per step: the bonus and ``num_speculative_tokens`` drafts."""
+        """The most tokens the target verifies in one step: the bonus and ``num_speculative_tokens`` drafts."""
         return self.num_speculative_tokens + 1
+
+    def step_graphs(self) -> list[tuple[int, bool]]:
+        """The ``(K, proposes)`` step variants the policy may run, per batch bucket and sampling mode: each ``K``
+        (proposing when ``K > 0``), and ``K = 0`` proposing where speculation resumes after plain steps."""
+        out = [(k, k > 0) for k in self.speculative_ks]
+        if 0 in self.speculative_ks and max(self.speculative_ks) > 0:
+            out.append((0, True))
+        return sorted(set(out))
 
     sampling_inputs = SamplingInputs
 
     @classmethod
     def from_speculative_config(cls, target: nn.Module, speculative_config: dict | str, **kwargs):
         """A wrapper from vLLM's ``speculative_config`` (a dict or its JSON): ``{"method": "dflash", "model": DIR,
-        "num_speculative_tokens": K}`` (``K`` defaults to ``block_size - 1``; ``max_model_len`` sets
-        ``max_seq_len``). The drafter is loaded from ``DIR`` (either checkpoint format) on the target's device and
-        dtype. ``kwargs`` go to the constructor. Other methods, a missing model directory, ``K`` outside
-        ``[1, block_size - 1]`` and keys it does not know are ``ValueError``."""
+        "num_speculative_tokens": K}`` (``K`` fixed; without it, ``speculation="auto"``), optionally
+        ``"num_speculative_tokens_per_batch_size": {"1-4": 7, "5-16": 2}`` (vLLM's inclusive batch-size ranges, each
+        ``K`` clamped to ``num_speculative_tokens``); ``max_model_len`` sets ``max_seq_len``. The drafter is loaded
+        from ``DIR`` (either checkpoint format) on the target's device and dtype. ``kwargs`` go to the constructor.
+        Other methods, a missing model directory, ``K`` outside ``[0, block_size - 1]``, malformed ranges and keys
+        it does not know are ``ValueError``."""
         cfg = json.loads(speculative_config) if isinstance(speculative_config, str) else dict(speculative_config)
-        unknown = sorted(set(cfg) - {"method", "model", "num_speculative_tokens", "max_model_len"})
+        known = {"method", "model", "num_speculative_tokens", "num_speculative_tokens_per_batch_size", "max_model_len"}
+        unknown = sorted(set(cfg) - known)
         if unknown:
-            raise ValueError(f"speculative_config keys {unknown} are not supported (method, model, "
-                             f"num_speculative_tokens, max_model_len)")
+            raise ValueError(f"speculative_config keys {unknown} are not supported ({', '.join(sorted(known))})")
         if cfg.get("method") != "dflash":
             raise ValueError(f"speculative_config method {cfg.get('method')!r} is not supported: only 'dflash'")
         if not cfg.get("model") or not Path(cfg["model"]).is_dir():
@@ -239,6 +279,8 @@ class DFlashSpecWrapper(nn.Module):
                                                  vocab_size=tcfg.vocab_size)
         if "max_model_len" in cfg:
             kwargs.setdefault("max_seq_len", cfg["max_model_len"])
+        if "num_speculative_tokens_per_batch_size" in cfg:
+            kwargs.setdefault("speculation", cfg["num_speculative_tokens_per_batch_size"])
         return cls(target, draft, cfg.get("num_speculative_tokens"), **kwargs)
 
     def batch_bucket(self, rows: int) -> int:
@@ -295,16 +337,19 @@ class DFlashSpecWrapper(nn.Module):
     def compiled(self) -> bool:
         return self._steps is not None
 
-    def step(self, block, seq_lens, block_tables, active, target_pools, draft_pool, sampling=None, state_slots=None):
+    def step(self, block, seq_lens, block_tables, active, target_pools, draft_pool, sampling=None, state_slots=None,
+             propose: bool = True):
         """One step as the host loop runs it (``forward``'s arguments and results): once :meth:`compile` was called,
-        through the compiled graph of its key (batch bucket, ``K``, greedy or sampled; loaded or compiled on a miss
-        as ``on_miss`` says), else ``forward`` itself."""
+        through the compiled graph of its key (batch bucket, ``K``, proposes or not, greedy or sampled; loaded or
+        compiled on a miss as ``on_miss`` says), else ``forward`` itself."""
         args = (block, seq_lens, block_tables, active, target_pools, draft_pool) + (
             (sampling,) if sampling is not None else ())
         kwargs = {"state_slots": state_slots} if state_slots is not None else {}
+        if not propose:
+            kwargs["propose"] = False
         if self._steps is None:
             return self(*args, **kwargs)
-        key = self._steps.key(block.shape[0], block_tables.shape[1], sampling is not None)
+        key = self._steps.key(block.shape[0], block_tables.shape[1], sampling is not None, block.shape[1], propose)
         return self._steps.run(key, args, kwargs)
 
     def precompile(self, batch_sizes=None, *, sampling: bool | str = False, progress: bool = True) -> dict:
@@ -313,7 +358,9 @@ class DFlashSpecWrapper(nn.Module):
         each is rounded up to its bucket); ``sampling``: False (greedy steps), True (sampled steps) or
         ``"both"``. Static-context backends (``dflash_neuron``) compile every context bucket too. A progress bar
         (tqdm) shows each key; returns ``{str(key): (how, seconds)}`` with ``how`` ``"compiled"``, ``"loaded"`` or
-        ``"ready"`` (already in memory). Call :meth:`compile` first."""
+        ``"ready"`` (already in memory). Every step variant the speculation policy may use is compiled
+        (:meth:`step_graphs`: with ``speculation="auto"`` and a drafter of block size 8, six per batch bucket and
+        sampling mode). Call :meth:`compile` first."""
         from tqdm.auto import tqdm
 
         if self._steps is None:
@@ -326,22 +373,22 @@ class DFlashSpecWrapper(nn.Module):
         buckets = sorted({self.batch_bucket(b) for b in batch_sizes}) if batch_sizes else list(self.batch_buckets)
         modes = [False, True] if sampling == "both" else [bool(sampling)]
         pages = [None] if self._steps.serves_every_context else list(self.context_buckets)
-        keys = [(b, p, m) for b in buckets for m in modes for p in pages]
+        keys = [(b, p, m, v) for b in buckets for m in modes for p in pages for v in self.step_graphs()]
         cache = self.kv_cache()
         report = {}
         with tqdm(keys, desc="dflash precompile", unit="graph", disable=not progress) as bar:
-            for b, p, m in bar:
-                key = self._steps.key(b, p or 2, m)
+            for b, p, m, (k, propose) in bar:
+                key = self._steps.key(b, p or 2, m, k + 1, propose)
                 bar.set_postfix_str(str(key))
-                args, kwargs = self._example_step_inputs(cache, b, key.context_pages or 2, m)
+                args, kwargs = self._example_step_inputs(cache, b, key.context_pages or 2, m, k, propose)
                 how, seconds = self._steps.prepare(key, args, kwargs)
                 report[str(key)] = (how, round(seconds, 2))
                 bar.write(f"{key}: {how} in {seconds:.1f} s")
         return report
 
-    def _example_step_inputs(self, cache, batch: int, pages: int, sampled: bool):
+    def _example_step_inputs(self, cache, batch: int, pages: int, sampled: bool, K: int, propose: bool):
         """Step inputs of a key's shapes (every row inactive), to trace its graph."""
-        device, V, K = cache.device, self.draft.config.vocab_size, self.num_speculative_tokens
+        device, V, B = cache.device, self.draft.config.vocab_size, self.block_size
         long = dict(dtype=torch.long, device=device)
         args = [torch.zeros(batch, K + 1, **long), torch.zeros(batch, **long),
                 torch.full((batch, pages), -1, **long), torch.zeros(batch, dtype=torch.bool, device=device),
@@ -350,28 +397,32 @@ class DFlashSpecWrapper(nn.Module):
             zeros = functools.partial(torch.zeros, device=device)
             args.append(self.sampling_inputs(
                 zeros(batch, dtype=torch.bool), zeros(batch), zeros(batch, dtype=torch.long), zeros(batch),
-                zeros(batch, K, V), zeros(batch, K), zeros(batch), zeros(batch, K)))
+                zeros(batch, K, V), zeros(batch, K), zeros(batch), zeros(batch, B - 1)))
         kwargs = {"state_slots": torch.zeros(batch, **long)} if cache.has_states else {}
+        if not propose:
+            kwargs["propose"] = False
         return tuple(args), kwargs
 
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
     def forward(
         self, block, seq_lens, block_tables, active, target_pools, draft_pool, sampling: SamplingInputs | None = None,
-        state_slots=None,
+        state_slots=None, propose: bool = True,
     ):
-        """One speculative step for a batch bucket of ``Bk`` rows.
+        """One speculative step for a batch bucket of ``Bk`` rows, verifying ``K = block.shape[1] - 1`` drafts.
 
-        ``block [Bk, B]`` = each row's bonus token and drafts (at positions ``seq_lens + 0..B-1``),
+        ``block [Bk, K+1]`` = each row's bonus token and drafts (at positions ``seq_lens + 0..K``),
         ``seq_lens [Bk]`` tokens already in the cache, ``block_tables [Bk, NB]`` (``NB`` pages: the context bucket;
         they must cover every row's positions up to ``seq_lens + B``, capped at capacity), ``active [Bk]`` (False
         for bucket padding), the pools (``target_pools``: one per target layer; written in place), and
         ``sampling`` (``SamplingInputs``; None: all rows greedy, the greedy-only graph), and ``state_slots [Bk]`` each
         row's slot in the recurrent-state pools (targets with linear-attention layers only; see ``recurrent.py``).
         Returns ``tokens [Bk, K+1]`` (accepted drafts then the target's next token, padded with -1),
-        ``num_accepted [Bk]``, ``next_block [Bk, K+1]`` (the new bonus and its first ``K`` drafts) and
-        ``next_draft_probs [Bk, K, V]`` (None without ``sampling``); ``K = num_speculative_tokens``, and ``block``
-        is ``[Bk, K+1]`` too.
+        ``num_accepted [Bk]``, ``next_block [Bk, B]`` (the new bonus and the drafter's ``B - 1`` drafts after it; the
+        host verifies as many of them as the next step's ``K``) and ``next_draft_probs [Bk, B-1, V]`` (None without
+        ``sampling``). With ``propose=False`` the drafter does not run (the next step verifies no draft): ``next_block``
+        is ``[Bk, 1]``, the bonus alone, and ``next_draft_probs`` None; the accepted positions still reach the
+        drafter's cache. ``K = 0`` without proposing is plain decoding.
         """
         positions, in_capacity = self._block_positions(block, seq_lens, active)
         logits, aux, states = self._verify(
@@ -383,6 +434,8 @@ class DFlashSpecWrapper(nn.Module):
         # Context rows for the drafter: the bonus and the accepted drafts; rejected rows write nowhere.
         accepted = torch.arange(block.shape[1], device=block.device) <= num_accepted[:, None]  # [Bk, B]
         self._inject(aux, positions, accepted & in_capacity, block_tables, draft_pool)
+        if not propose:
+            return tokens, num_accepted, bonus, None
         next_block, next_draft_probs = self._propose(
             bonus, seq_lens + num_accepted + 1, block_tables, active, draft_pool, sampling
         )
@@ -460,20 +513,20 @@ class DFlashSpecWrapper(nn.Module):
         draft_pool[:, :, slots] = torch.stack([k, v], dim=1).flatten(2, 3)
 
     def _propose(self, bonus, ctx_lens, block_tables, active, draft_pool, sampling=None):
-        """Draft a block after ``bonus [Bk, 1]`` at position ``ctx_lens``; -> (``[Bk, K+1]`` bonus + the first ``K``
-        drafts, their processed distribution ``[Bk, K, V]`` or None without ``sampling``)."""
+        """Draft a block after ``bonus [Bk, 1]`` at position ``ctx_lens``; -> (``[Bk, B]`` bonus + the ``B - 1``
+        drafts, their processed distribution ``[Bk, B-1, V]`` or None without ``sampling``)."""
         Bk, B = bonus.shape[0], self.block_size
         block = torch.cat([bonus, bonus.new_full((Bk, B - 1), self.draft.mask_token_id)], dim=1)
         positions = ctx_lens[:, None] + torch.arange(B, device=bonus.device)
         ctx_lens = torch.where(active, ctx_lens, 0)
         read, _ = read_slots(block_tables, ctx_lens, self.page_size)
         kv = draft_pool[:, :, read]  # [Ld, 2, Bk, S, Hkv, D]
-        logits = self.draft(block, positions, kv[:, 0], kv[:, 1], ctx_lens)[:, : self.num_speculative_tokens]
-        drafts = logits.argmax(-1)  # [Bk, K]
+        logits = self.draft(block, positions, kv[:, 0], kv[:, 1], ctx_lens)  # [Bk, B-1, V]
+        drafts = logits.argmax(-1)  # [Bk, B-1]
         probs = None
         if sampling is not None:
             p = sampling
-            probs = process_logits(logits, p.temperature, p.top_k, p.top_p).softmax(-1)  # [Bk, K, V]
+            probs = process_logits(logits, p.temperature, p.top_k, p.top_p).softmax(-1)  # [Bk, B-1, V]
             drafts = torch.where(p.do_sample[:, None], sample_from(probs, p.u_draft), drafts)
         return torch.cat([bonus, drafts], dim=1), probs
 
@@ -485,8 +538,8 @@ class DFlashSpecWrapper(nn.Module):
         cache and draft each one's first block, all rows in one forward.
 
         ``input_ids [n, L]`` left-padded (row ``i``'s prompt is its last ``lens[i]`` tokens), ``block_tables [n,
-        NB]`` covering each prompt. Returns ``([n, K+1], draft_probs)``: each row's first token and its drafts, and
-        the drafts' distribution ``[n, K, V]`` (None without ``sampling``; there ``sampling.u_bonus`` samples
+        NB]`` covering each prompt. Returns ``([n, B], draft_probs)``: each row's first token and its drafts, and
+        the drafts' distribution ``[n, B-1, V]`` (None without ``sampling``; there ``sampling.u_bonus`` samples
         the first token, ``draft_probs``/``u_accept`` are unused). ``state_slots [n]``: the rows' recurrent-state
         slots (hybrid targets), written with each prompt's final state."""
         n, L = input_ids.shape

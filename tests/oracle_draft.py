@@ -98,13 +98,14 @@ def check_drafting(draft: OracleDrafter, prompts, fulls, out) -> tuple[int, int]
     """Every row's recorded acceptance equals the replayed one and reaches the oracle's forced prefix.
 
     Returns ``(accepted drafts, forced drafts)`` over the batch, for the caller's non-vacuity checks."""
-    K = len(out.num_accepted_tokens_per_pos)  # drafts verified per step (num_speculative_tokens)
     total_a = total_f = 0
     for i, (prompt, full) in enumerate(zip(prompts, fulls)):
         accepted, forced = recount(draft, len(prompt), full, out.drafts[i])
         stats = out.per_request[i]
-        assert stats.num_drafts == len(out.drafts[i]) and all(len(d) == K for d in out.drafts[i])
-        hist = [sum(a > j for a in accepted) for j in range(K)]
+        # one entry per step, each as long as that step's K (K = 0: plain decoding, nothing verified)
+        assert [len(d) for d in out.drafts[i]] == stats.step_ks == out.step_ks[i]
+        assert stats.num_drafts == sum(k > 0 for k in stats.step_ks)
+        hist = [sum(a > j for a in accepted) for j in range(len(stats.num_accepted_tokens_per_pos))]
         assert (stats.num_accepted_tokens, stats.num_accepted_tokens_per_pos) == (sum(accepted), hist), (
             i, stats, accepted)
         assert all(a >= f for a, f in zip(accepted, forced)), (i, accepted, forced, out.drafts[i])

@@ -13,26 +13,32 @@ def _prompt(length, seed):
     return torch.randint(0, VOCAB - 1, (1, length), generator=torch.Generator().manual_seed(seed))
 
 
-def _pair(family, always_right, block_size=4):
+def _pair(family, always_right, block_size=4, speculation=None):
     target = tiny_target(family)
     if always_right:  # every logit ties at 0: target and drafter both pick token 0, every draft is accepted
         with torch.no_grad():
             target.get_output_embeddings().weight.zero_()
     draft = DFlashDraftModel.from_target(target, num_layers=2, block_size=block_size, target_layer_ids=[1, 3], seed=0)
-    return target, DFlashSpecWrapper(target, draft)
+    return target, DFlashSpecWrapper(target, draft, speculation=speculation)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("always_right", [False, True], ids=["random", "always_right"])
-def test_greedy_matches_target_generate(family, always_right):
-    target, spec = _pair(family, always_right)
+@pytest.mark.parametrize("speculation", ["fixed", "auto"])
+def test_greedy_matches_target_generate(family, always_right, speculation):
+    target, spec = _pair(family, always_right, speculation=speculation)
     for length, seed in [(1, 0), (5, 1), (17, 2)]:
         prompt = _prompt(length, seed)
         ref = target.generate(prompt, do_sample=False, max_new_tokens=MAX_NEW)
         out = spec.generate(prompt, max_new_tokens=MAX_NEW, return_dict_in_generate=True)
         assert torch.equal(out.sequences, ref), (family, length)
         assert out.finish_reasons == ["length"]
-        assert out.num_drafts >= 1 and out.num_draft_tokens == out.num_drafts * 3
+        ks = out.step_ks[0]
+        assert out.num_draft_tokens == sum(ks) and out.num_drafts == sum(k > 0 for k in ks)
+        if speculation == "auto":
+            assert set(ks) <= set(spec.speculative_ks) == {0, 1, 2, 3}
+            continue
+        assert out.num_drafts >= 1 and ks == [3] * len(ks)
         if always_right:
             assert out.num_accepted_tokens == out.num_draft_tokens
             assert out.acceptance_length == spec.block_size

@@ -1,0 +1,365 @@
+"""How many drafts each step verifies: ``K``, chosen per step from ``0`` (plain decoding) to ``block_size - 1``.
+
+A step at ``K`` verifies the bonus token and the first ``K`` of the drafts the previous step proposed; a step
+``propose``s (runs the drafter for the next block) only when the next step may want drafts. ``K = 0`` without
+proposing is plain decoding through the same pools: the target's one token per row, and the drafter's context
+still receives every new position, so speculation can resume at any step. Every (``K``, proposes) pair is its own
+step graph; a policy names the ``K`` values it may use up front (:meth:`SpeculationPolicy.ks`), so the graph set is
+bounded and can be compiled ahead of time.
+
+Policies:
+
+- :class:`FixedK`: ``num_speculative_tokens=K`` (every step verifies ``K``).
+- :class:`BatchSizeSchedule`: vLLM's ``num_speculative_tokens_per_batch_size`` — ``K`` from the live batch size.
+- :class:`GoodputPolicy` (``speculation="auto"``, the default): each step's ``K`` maximises the batch's expected
+  tokens per second, ``sum_i min(1 + E_i[accepted | K], remaining_i) / cost(bucket, K, context)``, where ``cost`` is
+  the measured wall time of that step graph on this machine (:class:`StepCosts`) and ``E_i`` comes from request
+  ``i``'s own per-position acceptance history (:class:`AcceptanceHistory`; the drafter's pooled history is its
+  prior until it has its own).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import deque
+from dataclasses import dataclass, field
+
+
+def default_ks(block_size: int) -> tuple[int, ...]:
+    """The ``K`` values ``speculation="auto"`` may use: 0, the powers of two below ``block_size - 1``, and
+    ``block_size - 1`` (``block_size`` 8: 0, 1, 2, 4, 7; 16: 0, 1, 2, 4, 8, 15)."""
+    top = block_size - 1
+    ks, k = {0, top}, 1
+    while k < top:
+        ks.add(k)
+        k *= 2
+    return tuple(sorted(ks))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a policy wants for the next step: verify ``k`` drafts, and whether this step ``propose``s a block."""
+
+    k: int
+    propose: bool
+
+
+@dataclass
+class StepView:
+    """What a policy sees before a step: the batch ``bucket``, the live ``rows`` (their ``acceptance`` histories and
+    ``remaining`` token budgets), the step's context ``pages``, whether it runs the ``sampled`` graph, and the
+    ``K`` the previous step verified."""
+
+    bucket: int
+    rows: list
+    pages: int
+    sampled: bool
+    previous_k: int
+
+    @property
+    def live(self) -> int:
+        return len(self.rows)
+
+
+class SpeculationPolicy:
+    """Chooses each step's ``K``. ``ks(block_size)`` is the set of ``K`` it may return (each is its own graph);
+    ``choose(view)`` returns a :class:`Plan`; ``observe`` is told what the step did: its seconds (None when the
+    call compiled or loaded a graph, so its time says nothing about the step) and, per row of ``view``, the drafts
+    accepted (None for a row that verified none) and whether a first draft proposed for a ``K = 0`` step agreed
+    with the target's token (None where there was none)."""
+
+    def ks(self, block_size: int) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def history(self, size: int) -> AcceptanceHistory | None:
+        """A new request's acceptance history (None: this policy keeps none)."""
+        return None
+
+    def choose(self, view: StepView) -> Plan:
+        raise NotImplementedError
+
+    def observe(self, view: StepView, k: int, propose: bool, seconds: float | None,
+                accepted: list[int | None], agreed: list[bool | None]) -> None:
+        pass
+
+    def describe(self) -> str:
+        return type(self).__name__
+
+
+class FixedK(SpeculationPolicy):
+    """Every step verifies ``k`` drafts (``num_speculative_tokens=k``; ``k = 0`` is plain decoding)."""
+
+    def __init__(self, k: int):
+        self.k = k
+
+    def ks(self, block_size: int) -> tuple[int, ...]:
+        return (self.k,)
+
+    def choose(self, view: StepView) -> Plan:
+        return Plan(self.k, self.k > 0)
+
+    def describe(self) -> str:
+        return f"K = {self.k}"
+
+
+_RANGE = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d+)\s*)?$")
+
+
+class BatchSizeSchedule(SpeculationPolicy):
+    """vLLM's ``num_speculative_tokens_per_batch_size``: ``{"1-4": 7, "5-8": 2, "9-16": 0}``, inclusive ranges of
+    the live batch size (``"8"`` is ``"8-8"``). A batch size in a gap takes the ``K`` of the last range below it,
+    one below every range ``num_speculative_tokens``; each ``K`` is clamped to ``num_speculative_tokens``."""
+
+    def __init__(self, schedule: dict, num_speculative_tokens: int):
+        if not isinstance(schedule, dict) or not schedule:
+            raise ValueError(f"num_speculative_tokens_per_batch_size must be a non-empty dict of ranges, got "
+                             f"{schedule!r}")
+        ranges = []
+        for key, k in schedule.items():
+            m = _RANGE.match(str(key))
+            if not m:
+                raise ValueError(f"num_speculative_tokens_per_batch_size key {key!r} is not a batch size range "
+                                 f"('LO-HI' or 'N')")
+            lo, hi = int(m[1]), int(m[2] or m[1])
+            if lo < 1 or hi < lo:
+                raise ValueError(f"num_speculative_tokens_per_batch_size range {key!r} is empty or below 1")
+            if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+                raise ValueError(f"num_speculative_tokens_per_batch_size[{key!r}] = {k!r}: K must be an integer >= 0")
+            ranges.append((lo, hi, min(k, num_speculative_tokens)))
+        ranges.sort()
+        for (_, hi, _), (lo, _, _) in zip(ranges, ranges[1:]):
+            if lo <= hi:
+                raise ValueError(f"num_speculative_tokens_per_batch_size ranges overlap at batch size {lo}")
+        self.ranges, self.default = ranges, num_speculative_tokens
+
+    def k_for(self, batch_size: int) -> int:
+        k = self.default
+        for lo, hi, rk in self.ranges:
+            if batch_size < lo:
+                break
+            k = rk  # inside the range, or in the gap after it
+        return k
+
+    def ks(self, block_size: int) -> tuple[int, ...]:
+        return tuple(sorted({rk for _, _, rk in self.ranges} | ({self.default} if self.ranges[0][0] > 1 else set())))
+
+    def choose(self, view: StepView) -> Plan:
+        k = self.k_for(view.live)
+        return Plan(k, k > 0)
+
+    def describe(self) -> str:
+        return "per batch size " + ", ".join(f"{lo}-{hi}: {k}" for lo, hi, k in self.ranges)
+
+
+# ---------------------------------------------------------------------------------------------- acceptance
+@dataclass
+class AcceptanceHistory:
+    """Per-position acceptance of one request (or, pooled, of a drafter): ``tries[k]`` steps where draft ``k + 1``
+    was verified with every draft before it accepted, ``hits[k]`` those where it was accepted too. Counts decay by
+    ``decay`` per record, so the estimate follows the text as it changes."""
+
+    size: int
+    decay: float = 0.9
+    tries: list[float] = field(default_factory=list)
+    hits: list[float] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.tries = self.tries or [0.0] * self.size
+        self.hits = self.hits or [0.0] * self.size
+
+    def record(self, k: int, accepted: int) -> None:
+        """A step verified ``k`` drafts and accepted the first ``accepted``."""
+        self._decay()
+        for j in range(min(k, accepted + 1)):
+            self.tries[j] += 1
+            self.hits[j] += j < accepted
+
+    def record_first(self, agreed: bool) -> None:
+        """A step verified no draft, but a proposed first draft is comparable with the target's token."""
+        self._decay()
+        self.tries[0] += 1
+        self.hits[0] += agreed
+
+    def _decay(self) -> None:
+        for j in range(self.size):
+            self.tries[j] *= self.decay
+            self.hits[j] *= self.decay
+
+    def rates(self, prior: list[float] | None = None, weight: float = 2.0) -> list[float]:
+        """Each position's conditional acceptance rate, shrunk toward ``prior`` (default 0.5) with ``weight``
+        pseudo-steps."""
+        prior = prior or [0.5] * self.size
+        return [(h + weight * p) / (t + weight) for h, t, p in zip(self.hits, self.tries, prior)]
+
+
+def expected_accepted(rates: list[float], k: int) -> float:
+    """``E[accepted drafts]`` when ``k`` are verified: ``sum_{j<=k} prod_{i<=j} rate_i``."""
+    total, run = 0.0, 1.0
+    for r in rates[:k]:
+        run *= r
+        total += run
+    return total
+
+
+# ---------------------------------------------------------------------------------------------- cost
+def context_bin(pages: int) -> int:
+    """Context lengths whose step costs are pooled: pages 1-2, 3-4, 5-8, 9-16, ..."""
+    return max(1, pages - 1).bit_length()
+
+
+class StepCosts:
+    """Measured seconds per step graph and context bin: the median of the last ``window`` timed calls of each cell
+    ``(bucket, K, propose, sampled, context bin)``."""
+
+    def __init__(self, window: int = 9):
+        self.window = window
+        self.cells: dict[tuple, deque] = {}
+
+    def add(self, cell: tuple, seconds: float) -> None:
+        self.cells.setdefault(cell, deque(maxlen=self.window)).append(seconds)
+
+    def samples(self, cell: tuple) -> int:
+        return len(self.cells.get(cell, ()))
+
+    def measured(self, cell: tuple) -> float | None:
+        d = self.cells.get(cell)
+        if not d:
+            return None
+        s = sorted(d)
+        n = len(s)
+        return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+    def estimate(self, cell: tuple, reference: tuple | None = None) -> float | None:
+        """The cell's cost: measured, else the same graph at the nearest measured context bin, scaled by how
+        ``reference`` (another graph measured at both bins) changed between them; None if the graph was never
+        timed."""
+        got = self.measured(cell)
+        if got is not None:
+            return got
+        *graph, ctx = cell
+        bins = sorted((abs(c[-1] - ctx), c[-1]) for c in self.cells if list(c[:-1]) == graph and self.cells[c])
+        if not bins:
+            return None
+        near = bins[0][1]
+        value = self.measured((*graph, near))
+        if reference is not None:
+            here, there = self.measured((*reference[:-1], ctx)), self.measured((*reference[:-1], near))
+            if here is not None and there:
+                value *= here / there
+        return value
+
+    def table(self) -> list[dict]:
+        """Every cell, for reports: bucket, K, propose, sampled, context bin, samples, median seconds."""
+        return [dict(bucket=c[0], k=c[1], propose=c[2], sampled=c[3], context_bin=c[4], samples=len(d),
+                     seconds=self.measured(c)) for c, d in sorted(self.cells.items()) if d]
+
+
+class GoodputPolicy(SpeculationPolicy):
+    """``speculation="auto"``: the ``K`` that maximises the batch's expected tokens per second.
+
+    For each candidate ``K`` (``ks``), ``goodput(K) = sum_i min(1 + E_i(K), remaining_i) / cost(K)``: ``E_i`` from row
+    ``i``'s acceptance history (shrunk toward the pooled history of every request this policy has seen), ``cost``
+    the measured seconds of the step graph ``(bucket, K, proposes = K > 0, sampled)`` at this context bin. A ``K``
+    whose graph was never timed at this bucket is explored only while its optimistic goodput — its tokens over the
+    cost of the largest smaller ``K`` timed (a step costs no less with more drafts), infinite when none is — beats
+    the best measured one by more than ``margin``: the first step of a bucket calibrates plain decoding, and a ``K``
+    that cannot pay even at that bound is never tried.
+
+    No thrashing: the wanted ``K`` changes at most once per ``dwell`` steps (so at most ``100 / dwell`` switches per
+    100 steps), and between two timed ``K`` only for a gain above ``margin``. While the batch stays at ``K = 0``,
+    every ``probe_every`` steps a step proposes a block anyway, so the next step compares its first draft with the
+    target's token: acceptance keeps being measured at the cost of one drafter forward, never of a wider verify.
+    """
+
+    def __init__(self, ks: tuple[int, ...] | None = None, *, dwell: int = 4, margin: float = 0.03,
+                 probe_every: int = 16, prior_weight: float = 2.0, decay: float = 0.9, pooled_decay: float = 0.995):
+        if dwell < 1 or probe_every < 2:
+            raise ValueError("dwell must be >= 1 and probe_every >= 2")
+        self._ks, self.dwell, self.margin, self.probe_every = ks, dwell, margin, probe_every
+        self.prior_weight, self.decay, self.pooled_decay = prior_weight, decay, pooled_decay
+        self.block_size = None  # set by ks(), which the wrapper calls first
+        self.costs = StepCosts()
+        self.pooled: AcceptanceHistory | None = None
+        self._want: int | None = None
+        self._since_switch = 0
+        self._zero_steps = 0
+        self.switches = 0  # changes of the wanted K
+        self.steps = 0
+        self.last_goodput: dict[int, float] = {}
+
+    def ks(self, block_size: int) -> tuple[int, ...]:
+        self.block_size = block_size
+        ks = self._ks or default_ks(block_size)
+        bad = [k for k in ks if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= block_size - 1]
+        if bad:
+            raise ValueError(f"speculative K values {bad} are outside [0, block_size - 1 = {block_size - 1}]")
+        return tuple(sorted(set(ks)))
+
+    def history(self, size: int) -> AcceptanceHistory:
+        """A new request's acceptance history."""
+        if self.pooled is None:
+            self.pooled = AcceptanceHistory(size, self.pooled_decay)
+        return AcceptanceHistory(size, self.decay)
+
+    def _cell(self, view: StepView, k: int, propose: bool | None = None) -> tuple:
+        return (view.bucket, k, k > 0 if propose is None else propose, view.sampled, context_bin(view.pages))
+
+    def goodputs(self, view: StepView, ks: tuple[int, ...]) -> dict[int, tuple[float, bool]]:
+        """``{K: (expected tokens per second, measured)}``; an unmeasured ``K``'s is its optimistic bound."""
+        prior = self.pooled.rates() if self.pooled is not None else None
+        rates = [r.acceptance.rates(prior, self.prior_weight) if r.acceptance is not None
+                 else (prior or [0.5] * self.block_size) for r in view.rows]
+        ref = self._cell(view, self._want) if self._want is not None else None
+        out, floor = {}, 0.0
+        for k in ks:
+            tokens = sum(min(1.0 + expected_accepted(rt, k), max(1, r.remaining)) for rt, r in zip(rates, view.rows))
+            cost = self.costs.estimate(self._cell(view, k), ref)
+            if cost is not None:
+                floor = max(floor, cost)
+                out[k] = (tokens / cost, True)
+            else:
+                out[k] = (tokens / floor if floor > 0 else math.inf, False)
+        return out
+
+    def choose(self, view: StepView) -> Plan:
+        ks = self.ks(self.block_size)
+        self.steps += 1
+        g = self.goodputs(view, ks)
+        self.last_goodput = {k: v for k, (v, _) in g.items()}
+        measured = [k for k in ks if g[k][1]]
+        best = max(ks, key=lambda k: (g[k][0], -k))
+        if measured and not g[best][1]:  # explore an untimed K only for a gain above the margin, even at best
+            known = max(measured, key=lambda k: (g[k][0], -k))
+            best = best if g[best][0] > g[known][0] * (1.0 + self.margin) else known
+        want = self._want
+        if want is None or want not in g:
+            want, self._since_switch = best, 0
+        elif best != want and self._since_switch >= self.dwell:
+            gain_needed = 1.0 + (self.margin if g[best][1] and g[want][1] else 0.0)
+            if g[best][0] > g[want][0] * gain_needed:
+                want, self._since_switch = best, 0
+                self.switches += 1
+        self._since_switch += 1
+        self._want = want
+        if want == 0:
+            self._zero_steps += 1
+            return Plan(0, self._zero_steps % self.probe_every == 0)
+        self._zero_steps = 0
+        return Plan(want, True)
+
+    def observe(self, view: StepView, k: int, propose: bool, seconds: float | None,
+                accepted: list[int | None], agreed: list[bool | None]) -> None:
+        if seconds is not None:
+            self.costs.add(self._cell(view, k, propose), seconds)
+        for r, a, f in zip(view.rows, accepted, agreed):
+            for h in (r.acceptance, self.pooled):
+                if h is None:
+                    continue
+                if a is not None and k > 0:
+                    h.record(k, a)
+                elif f is not None:
+                    h.record_first(f)
+
+    def describe(self) -> str:
+        return f"auto over K in {self._ks or 'the default set'}"
