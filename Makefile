@@ -23,6 +23,7 @@ mutants: $(VENV)/.installed
 bench: $(VENV)/.installed
 	$(PY) benchmarks/bench_humaneval.py
 	$(PY) benchmarks/bench_generate.py
+	$(PY) benchmarks/bench_batch.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -75,7 +75,7 @@ def main(argv=None) -> int:
     tok = AutoTokenizer.from_pretrained(target_dir)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     draft = DFlashDraftModel.from_pretrained(draft_dir, dtype=torch.float32)
-    spec = DFlashSpecWrapper(target, draft, max_batch_size=1)
+    spec = DFlashSpecWrapper(target, draft, speculation="fixed", max_batch_size=1)
     report = {"target": str(target_dir), "draft": str(draft_dir), "block_size": spec.block_size,
               "max_new": args.max_new}
     with torch.no_grad():

@@ -62,7 +62,8 @@ def worker(args) -> dict:
 
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
     draft = DFlashDraftModel.from_pretrained(args.draft, dtype=torch.float32)
-    spec = DFlashSpecWrapper(target, draft, max_batch_size=args.batch, max_seq_len=args.max_seq_len)
+    spec = DFlashSpecWrapper(target, draft, speculation="fixed", max_batch_size=args.batch,
+                             max_seq_len=args.max_seq_len)
     prompts = [[(7 * i + 13 * r) % 1000 + 10 for i in range(8)] for r in range(args.batch)]
     start = time.perf_counter()
     spec.compile(backend=args.backend, cache_dir=args.cache_dir, on_miss=args.on_miss)

@@ -41,7 +41,8 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(1)
     target, draft = load_pair(args.target, args.draft)
-    spec = DFlashSpecWrapper(target, draft, max_batch_size=max(args.batches), max_seq_len=max(args.contexts))
+    spec = DFlashSpecWrapper(target, draft, speculation="fixed", max_batch_size=max(args.batches),
+                             max_seq_len=max(args.contexts))
     graphs = {
         "static (one per context bucket)": CompiledSteps(spec, "dflash", cache_dir=args.cache_dir,
                                                          dynamic_context=False),
@@ -59,7 +60,7 @@ def main() -> None:
             calls = {}
             for name, steps in graphs.items():
                 spec._steps = steps
-                key = steps.key(bucket, inputs[2].shape[1], False)
+                key = steps.key(bucket, inputs[2].shape[1], False, spec.verify_len)
                 how, seconds = steps.prepare(key, inputs, {})
                 print(f"batch {batch}, context {ctx}, {name}: {how} in {seconds:.1f} s", flush=True)
                 calls[name] = (steps, key)

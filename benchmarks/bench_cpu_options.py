@@ -37,7 +37,8 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(1)
     target, draft = load_pair()
-    spec = DFlashSpecWrapper(target, draft, max_batch_size=max(args.batches), max_seq_len=2048)
+    spec = DFlashSpecWrapper(target, draft, speculation="fixed", max_batch_size=max(args.batches),
+                             max_seq_len=2048)
     steps = {name: CompiledSteps(spec, "dflash", cache_dir=tempfile.mkdtemp(), options=options)
              for name, options in VARIANTS.items()}
     g = torch.Generator().manual_seed(0)
@@ -49,7 +50,7 @@ def main() -> None:
         bucket, inputs = spec.scheduler.prefill_batch(prompts, gen)
         keys = {}
         for name, s in steps.items():
-            keys[name] = s.key(bucket, inputs[2].shape[1], False)
+            keys[name] = s.key(bucket, inputs[2].shape[1], False, spec.verify_len)
             how, seconds = s.prepare(keys[name], inputs, {})
             print(f"batch {batch}, {name}: {how} in {seconds:.1f} s", flush=True)
         times = {name: [] for name in steps}

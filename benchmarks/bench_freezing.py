@@ -30,7 +30,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(1)
     target, draft = load_pair()
-    spec = DFlashSpecWrapper(target, draft, max_seq_len=1024, max_batch_size=args.batch)
+    spec = DFlashSpecWrapper(target, draft, speculation="fixed", max_seq_len=1024, max_batch_size=args.batch)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(10, 4000, (args.context,), generator=g).tolist() for _ in range(args.batch)]
     _, inputs = spec.scheduler.prefill_batch(prompts, resolve_generation_args(target, args.context, {"max_new_tokens": 8}))

@@ -93,7 +93,7 @@ def main(argv=None):
     for name, zero_head in (("random", False), ("oracle", True)):
         target = _target(args, zero_head)
         draft = DFlashDraftModel.from_target(target, num_layers=args.draft_layers, block_size=args.block_size, seed=0)
-        spec = DFlashSpecWrapper(target, draft, max_batch_size=max(args.buckets),
+        spec = DFlashSpecWrapper(target, draft, speculation="fixed", max_batch_size=max(args.buckets),
                                  max_seq_len=args.prompt_len + args.max_new_tokens + 2 * args.block_size)
         params = sum(p.numel() for p in target.parameters()) / 1e6
         g = torch.Generator().manual_seed(1)

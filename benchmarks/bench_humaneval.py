@@ -183,7 +183,7 @@ def phase_profile(target, draft, encs: list[dict], args, repeats: int = 50) -> d
     # (generate() lifts it itself; the direct calls below do not go through generate()).
     cfg = torch._dynamo.config
     cfg.recompile_limit = max(cfg.recompile_limit, cfg.accumulated_recompile_limit)
-    spec = DFlashSpecWrapper(target, draft, max_batch_size=1)
+    spec = DFlashSpecWrapper(target, draft, speculation="fixed", max_batch_size=1)
     spec.compile(backend=timed_backend, fullgraph=True)
     clock = {"call": 0.0, "admit": 0.0}
     call, admit = spec._steps.run, spec.scheduler._admit
@@ -247,7 +247,7 @@ def phase_profile(target, draft, encs: list[dict], args, repeats: int = 50) -> d
     for name, fn in phases.items():
         out[f"{name}_ms"] = median_ms(lambda: fn(*phase_args[name]), repeats, "cpu")[0]  # first call: the compile
 
-    python_wrapper = DFlashSpecWrapper(target, draft, max_batch_size=1)
+    python_wrapper = DFlashSpecWrapper(target, draft, speculation="fixed", max_batch_size=1)
     python_wrapper.compile(backend="dflash", options={"cpp_wrapper": False})
     python_wrapper.step(*inputs)
     with profile(activities=[ProfilerActivity.CPU]) as prof:

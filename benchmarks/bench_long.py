@@ -63,7 +63,7 @@ def main(argv=None):
     tok = AutoTokenizer.from_pretrained(target_dir)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
     draft = DFlashDraftModel.from_pretrained(draft_dir, dtype=torch.float32)
-    spec = DFlashSpecWrapper(target, draft, max_batch_size=1)
+    spec = DFlashSpecWrapper(target, draft, speculation="fixed", max_batch_size=1)
     cache_dir = tempfile.mkdtemp(prefix="dflash-cold-") if args.cold else Path(__file__).resolve().parents[1] / \
         "build" / "dflash-cache"
     spec.compile(backend="dflash", cache_dir=cache_dir)

@@ -79,7 +79,8 @@ def main(argv=None):
     args = p.parse_args(argv)
 
     target, draft = build(args)
-    kw = dict(max_batch_size=max(args.buckets), max_seq_len=args.max_seq_len or args.prompt_len + 4 * args.block_size)
+    kw = dict(speculation="fixed", max_batch_size=max(args.buckets),
+              max_seq_len=args.max_seq_len or args.prompt_len + 4 * args.block_size)
     eager = DFlashSpecWrapper(target, draft, **kw)
     rows = {}
     for bucket in args.buckets:

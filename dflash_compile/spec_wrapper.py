@@ -646,14 +646,17 @@ class DFlashSpecWrapper(nn.Module):
 
         HF arguments: ``generation_config``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
         ``max_length``, ``stop_strings`` (needs ``tokenizer``), ``streamer`` (``put``/``end``, batch size 1).
-        Sampling is lossless (speculative sampling) and reproducible per request: ``seed`` (an int for the whole
-        batch, or one per request) or ``generator`` (one ``torch.Generator``, or one per request) seeds each
-        request's own RNG; with neither, the seeds come from torch's global RNG (``torch.manual_seed``).
+        Sampling is lossless (speculative sampling) and reproducible per request for the same ``K`` at every step
+        (see below): ``seed`` (an int for the whole batch, or one per request) or ``generator`` (one
+        ``torch.Generator``, or one per request) seeds each request's own RNG; with neither, the seeds come from
+        torch's global RNG (``torch.manual_seed``).
         ``output_drafts=True`` (with ``return_dict_in_generate``) records the drafts each step verified in the
         output's ``drafts``.
 
         Thread-safe: calls from several threads share one continuous batch (``submit`` underneath; see
-        ``scheduler.py``), and each gets exactly what it would get alone.
+        ``scheduler.py``), and each gets exactly what it would get alone (sampled requests: given the same ``K`` at
+        every step, as with a fixed ``num_speculative_tokens``; ``speculation="auto"`` chooses ``K`` from the whole
+        batch, and a sampled request's draws follow its steps' ``K``, so only its law is the same).
         """
         if output_drafts and not return_dict_in_generate:
             raise ValueError("output_drafts=True needs return_dict_in_generate=True")

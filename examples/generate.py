@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import time
+from collections import Counter
 
 import torch
 
@@ -121,6 +122,8 @@ def main(argv=None) -> None:
     p.add_argument("--stream", action="store_true", help="print tokens as they are accepted (one prompt at a time)")
     p.add_argument("--batch-size", type=int, default=8, help="requests decoded together")
     p.add_argument("--block-size", type=int, default=8, help="block size of the random demo drafter")
+    p.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="K, the drafts every step verifies (0: plain decoding); default: chosen per step (auto)")
     p.add_argument("--speculative-config", default=None,
                    help='vLLM-style JSON, e.g. \'{"method": "dflash", "model": DRAFTER_DIR, "num_speculative_tokens": 4}\' '
                         "(the drafter comes from it; --draft is not needed)")
@@ -159,7 +162,10 @@ def main(argv=None) -> None:
         except (ValueError, FileNotFoundError) as e:
             p.error(f"--speculative-config: {e}")
     else:
-        spec = DFlashSpecWrapper(target, draft, max_batch_size=max(1, args.batch_size))
+        try:
+            spec = DFlashSpecWrapper(target, draft, args.num_speculative_tokens, max_batch_size=max(1, args.batch_size))
+        except ValueError as e:
+            p.error(f"--num-speculative-tokens: {e}")
     if args.backend != "eager":
         spec.compile(backend=args.backend, fullgraph=True)
     pad = target.generation_config.pad_token_id
@@ -198,8 +204,9 @@ def main(argv=None) -> None:
             if args.temperature > 0 else "greedy")
     print(f"\n{generated} new tokens in {elapsed:.2f}s ({generated / elapsed:.1f} tokens/s), "
           f"backend {args.backend}, {mode}")
+    shares = ", ".join(f"K={k}: {n}" for k, n in sorted(Counter(total.step_ks).items()))
     print(f"acceptance length {total.acceptance_length:.2f} over {total.num_drafts} drafts "
-          f"(block size {spec.block_size}, {spec.num_speculative_tokens} drafts verified per step)")
+          f"(block size {spec.block_size}; speculation {spec.policy.describe()}; steps per K: {shares})")
     print("accepted per draft position:", total.num_accepted_tokens_per_pos)
 
 

@@ -40,10 +40,12 @@ class Mutant:
 
 
 _DRAFT_QWEN3 = "tests/test_drafting.py::test_partly_right_drafter_is_accepted_as_far_as_it_is_right[qwen3]"
-_FROM_SCRATCH = "tests/test_drafting.py::test_wrapper_drafts_are_the_drafter_on_the_whole_context[qwen3]"
+_FROM_SCRATCH = "tests/test_drafting.py::test_wrapper_drafts_are_the_drafter_on_the_whole_context[qwen3-fixed]"
 _COMPILED = "tests/test_compiled_generate.py::test_compiled_equals_eager[qwen3-dflash]"
 _DEFAULT_PAIR = "tests/test_default_pair.py::test_default_pair_speculates_as_well_as_measured"
 _LAW = "tests/test_sampling.py::test_sampled_law_matches_target"
+_FROM_SCRATCH_SWITCHING = "tests/test_drafting.py::test_wrapper_drafts_are_the_drafter_on_the_whole_context[qwen3-switching]"
+_LAW_SWITCHING = "tests/test_speculation.py::test_sampling_law_with_k_switching"
 
 MUTANTS = (
     # ---- the table
@@ -105,6 +107,16 @@ MUTANTS = (
            (("torch.where(valid, slots, TRASH_SLOT)", "torch.where(valid, slots, 0)"),),
            (_DRAFT_QWEN3,),
            "padded and rejected positions write into a real slot instead of the trash slot"),
+    Mutant("plain_step_skips_injection", "dflash_compile/spec_wrapper.py",
+           (("        accepted = torch.arange(block.shape[1], device=block.device) <= num_accepted[:, None]  # [Bk, B]\n",
+             "        accepted = torch.arange(block.shape[1], device=block.device) <= num_accepted[:, None]  # [Bk, B]\n"
+             "        if not propose:\n            return tokens, num_accepted, bonus, None\n"),),
+           (_FROM_SCRATCH_SWITCHING,),
+           "a step that proposes nothing (before a plain step) keeps its accepted positions from the drafter's cache"),
+    Mutant("bonus_reuses_accept_uniform", "dflash_compile/scheduler.py",
+           (("_dense(u[:, :K]), _dense(u[:, K]), _dense(u_draft)", "_dense(u[:, :K]), _dense(u[:, 0]), _dense(u_draft)"),),
+           (_LAW_SWITCHING,),
+           "the residual/bonus sample reuses the first acceptance test's uniform when a step verifies drafts"),
     Mutant("training_mask_ignores_window", "dflash_compile/training/objective.py",
            (("draft.block_size, cfg.sliding_window if kind", "draft.block_size, None if kind"),),
            ("tests/test_training.py::test_training_blocks_match_inference_forward[sliding]",),

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from dflash_compile import DFlashDraftModel
+from dflash_compile.speculation import Plan, SpeculationPolicy
 
 UNKNOWN = -1
 _CONFLICT = -2  # two sequences disagree on the next token after (position, token): no oracle there
@@ -111,3 +112,21 @@ def check_drafting(draft: OracleDrafter, prompts, fulls, out) -> tuple[int, int]
         assert all(a >= f for a, f in zip(accepted, forced)), (i, accepted, forced, out.drafts[i])
         total_a, total_f = total_a + sum(accepted), total_f + sum(forced)
     return total_a, total_f
+
+
+class CyclePolicy(SpeculationPolicy):
+    """Forces the K sequence ``ks`` (repeated): each step proposes exactly when the next one verifies drafts."""
+
+    def __init__(self, ks):
+        self.seq, self.i = list(ks), 0
+
+    def ks(self, block_size):
+        return tuple(sorted(set(self.seq)))
+
+    def choose(self, view):
+        k = self.seq[self.i % len(self.seq)]
+        self.i += 1
+        return Plan(k, self.seq[self.i % len(self.seq)] > 0)
+
+
+SWITCHING = [0, 1, 3, 7, 0, 0, 2, 7, 1, 0, 5, 3]  # K at every step: each value, and every kind of transition

@@ -17,7 +17,7 @@ from torch._dynamo.utils import counters
 from dflash_compile import DFlashDraftModel, DFlashSpecWrapper
 from dflash_compile.kv_cache import TRASH_SLOT, ZERO_SLOT
 from dflash_compile.recurrent import unstep
-from oracle_draft import check_drafting, oracle_pair
+from oracle_draft import CyclePolicy, check_drafting, oracle_pair
 from test_batching import poisoning
 from test_sampling import LAWS, N, V, _chi_square_p, _exact_law, _sampled_counts, one_thread  # noqa: F401
 from tiny_models import VOCAB, tiny_target
@@ -50,7 +50,7 @@ def _spec(target, drafter, prompts=(), cls=DFlashSpecWrapper, **kw):
         draft, fulls = oracle_pair(target, list(prompts), NEW, 96, **draft_kw)
     else:
         draft = DFlashDraftModel.from_target(target, **draft_kw)
-    return cls(target, draft, **{**dict(max_batch_size=4, max_seq_len=96, page_size=8), **kw}), fulls
+    return cls(target, draft, **{**dict(speculation="fixed", max_batch_size=4, max_seq_len=96, page_size=8), **kw}), fulls
 
 
 @pytest.mark.parametrize("drafter", ["random", "always_right", "oracle"])
@@ -73,6 +73,22 @@ def test_greedy_lossless(arch, drafter):
     assert [out.sequences[i, out.prompt_width:].tolist() for i in range(3)] == refs
     if drafter == "oracle":
         check_drafting(spec.draft, prompts, fulls, out)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_k_switching_every_step_is_lossless(arch):
+    # K changes at every step (plain steps, with and without a proposal, between speculative ones): recurrent
+    # states, MLA pools, sinks and windows all see verify blocks of every length.
+    target = tiny_target(arch)
+    prompts = _prompts()
+    spec, fulls = _spec(target, "oracle", prompts, speculation=CyclePolicy([0, 1, 3, 0, 0, 2, 3, 1]))
+    refs = [_reference(target, p) for p in prompts]
+    out = spec.generate(prompts, pad_token_id=PAD, max_new_tokens=NEW, return_dict_in_generate=True,
+                        output_drafts=True)
+    assert [out.sequences[i, out.prompt_width:].tolist() for i in range(3)] == refs
+    assert set(out.step_ks[0]) == {0, 1, 2, 3}
+    accepted, forced = check_drafting(spec.draft, prompts, fulls, out)
+    assert forced > 0
 
 
 def test_pools_sized_from_what_each_layer_caches():

@@ -54,7 +54,7 @@ def test_step_after_passes_keeps_only_dflash_ops_for_the_hot_patterns():
     n_target, n_draft = 2, 2
     target = tiny_target("qwen3", num_hidden_layers=n_target)
     draft = DFlashDraftModel.from_target(target, num_layers=n_draft, block_size=4, target_layer_ids=[0, 1], seed=0)
-    spec = DFlashSpecWrapper(target, draft, max_batch_size=2, batch_buckets=(2,), max_seq_len=32, page_size=8)
+    spec = DFlashSpecWrapper(target, draft, 3, max_batch_size=2, batch_buckets=(2,), max_seq_len=32, page_size=8)
     graphs = []
 
     def capture(gm, example_inputs):
@@ -63,7 +63,7 @@ def test_step_after_passes_keeps_only_dflash_ops_for_the_hot_patterns():
 
     torch._dynamo.reset()
     spec.compile(backend=capture, fullgraph=True)
-    ref = DFlashSpecWrapper(target, draft, max_batch_size=2, batch_buckets=(2,), max_seq_len=32, page_size=8)
+    ref = DFlashSpecWrapper(target, draft, 3, max_batch_size=2, batch_buckets=(2,), max_seq_len=32, page_size=8)
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
     assert torch.equal(spec.generate(prompts, max_new_tokens=8, pad_token_id=VOCAB - 2),
                        ref.generate(prompts, max_new_tokens=8, pad_token_id=VOCAB - 2))

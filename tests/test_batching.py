@@ -38,6 +38,7 @@ def _pair(family, always_right=False, **kw):
             target.get_output_embeddings().weight.zero_()
     draft = DFlashDraftModel.from_target(target, num_layers=2, block_size=4, target_layer_ids=[1, 3], seed=0)
     kw.setdefault("max_seq_len", 128)
+    kw.setdefault("speculation", "fixed")  # per-row acceptance compared across batches: the same K every step
     return target, DFlashSpecWrapper(target, draft, **kw)
 
 
@@ -102,10 +103,10 @@ def test_capacity():
 class _WriteAuditor(DFlashSpecWrapper):
     """Checks after every step that the pools changed only inside live requests' blocks (or the trash)."""
 
-    def forward(self, block, seq_lens, block_tables, active, target_pools, draft_pool):
+    def forward(self, block, seq_lens, block_tables, active, target_pools, draft_pool, **kw):
         pools = [(p, 1) for p in target_pools] + [(draft_pool, 2)]  # (pool, its slot dim)
         before = [p.clone() for p, _ in pools]
-        out = super().forward(block, seq_lens, block_tables, active, target_pools, draft_pool)
+        out = super().forward(block, seq_lens, block_tables, active, target_pools, draft_pool, **kw)
         cache = self._cache
         own = block_tables[active]  # the step's table: only the pages of its context bucket
         own = own[own >= 0]
@@ -164,9 +165,11 @@ def test_poisoned_request_does_not_leak(max_batch_size):
     draft = DFlashDraftModel.from_target(target, num_layers=2, block_size=4, target_layer_ids=[1, 3], seed=0)
     prompts = _prompts([9, 21, 4, 16])
     kw = dict(max_new_tokens=MAX_NEW, pad_token_id=PAD, return_dict_in_generate=True, output_drafts=True)
-    clean = DFlashSpecWrapper(target, draft, max_batch_size=max_batch_size, max_seq_len=64, page_size=4)
+    clean = DFlashSpecWrapper(target, draft, speculation="fixed", max_batch_size=max_batch_size, max_seq_len=64,
+                              page_size=4)
     ref = clean.generate(prompts, **kw)
-    poisoned = poisoning(DFlashSpecWrapper(target, draft, max_batch_size=max_batch_size, max_seq_len=64, page_size=4),
+    poisoned = poisoning(DFlashSpecWrapper(target, draft, speculation="fixed", max_batch_size=max_batch_size, max_seq_len=64,
+                              page_size=4),
                          prompts[1], _poison_kv_blocks)
     out = poisoned.generate(prompts, **kw)
     keep = [0, 2, 3]
@@ -199,7 +202,7 @@ def _lossless_eager_and_compiled(target, block_attentions_per_graph):
     """Greedy batch output equals target.generate, compiled (dflash) equals eager, and the block_attention pass
     fires the given number of times in each step graph."""
     draft = DFlashDraftModel.from_target(target, num_layers=2, block_size=4, target_layer_ids=[1, 3], seed=0)
-    spec = DFlashSpecWrapper(target, draft, max_batch_size=4, max_seq_len=96, page_size=8)
+    spec = DFlashSpecWrapper(target, draft, speculation="fixed", max_batch_size=4, max_seq_len=96, page_size=8)
     prompts = _prompts([3, 17, 30])  # longer than the windows below
     out = spec.generate(prompts, max_new_tokens=MAX_NEW, pad_token_id=PAD)
     assert _new_tokens(out, prompts) == [_reference(target, p) for p in prompts]

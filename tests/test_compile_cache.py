@@ -18,7 +18,7 @@ from dflash_compile.compiled_step import _MAGIC, StepKey
 from tiny_models import VOCAB, random_prompts, tiny_target
 
 PAD = VOCAB - 2
-WRAPPER = dict(max_batch_size=2, batch_buckets=(1, 2), max_seq_len=160, page_size=8)
+WRAPPER = dict(speculation="fixed", max_batch_size=2, batch_buckets=(1, 2), max_seq_len=160, page_size=8)
 
 
 class CountingBackend:
@@ -61,7 +61,9 @@ def test_one_graph_serves_every_context_length():
 def test_static_context_backends_keep_their_buckets():
     _, spec = _pair(context_buckets=(32, 64))
     spec.compile(backend="dflash_neuron", on_miss="eager")
-    assert spec._steps.key(1, 4, False) == StepKey(1, spec.verify_len, False, 4)
+    assert spec._steps.key(1, 4, False, spec.verify_len) == StepKey(1, spec.verify_len, False, 4)
+    plain = spec._steps.key(1, 4, False, 1, propose=False)  # K = 0 without a proposal: its own graph and file
+    assert plain == StepKey(1, 1, False, 4, False) and plain.filename != StepKey(1, 1, False, 4).filename
     assert [spec.context_bucket(n) for n in (1, 40, 100)] == [4, 8, 20]
 
 

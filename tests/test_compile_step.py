@@ -27,7 +27,8 @@ def _prompts(lengths, seed):
 def test_step_compiles_once_per_bucket(family):
     target = tiny_target(family)
     draft = DFlashDraftModel.from_target(target, num_layers=2, block_size=4, target_layer_ids=[1, 3], seed=0)
-    spec = DFlashSpecWrapper(target, draft, max_batch_size=4, batch_buckets=(4,), max_seq_len=96)
+    spec = DFlashSpecWrapper(target, draft, speculation="fixed", max_batch_size=4, batch_buckets=(4,),
+                             max_seq_len=96)
     first, second = _prompts([3, 17, 9], 0), _prompts([30, 2, 11, 6], 1)
     eager = [spec.generate(p, max_new_tokens=12, pad_token_id=PAD) for p in (first, second)]
 
@@ -43,7 +44,8 @@ def test_step_compiles_once_per_bucket(family):
 def test_one_graph_per_bucket():
     target = tiny_target("llama")
     draft = DFlashDraftModel.from_target(target, num_layers=2, block_size=4, target_layer_ids=[1, 3], seed=0)
-    spec = DFlashSpecWrapper(target, draft, max_batch_size=4, batch_buckets=(1, 2, 4), max_seq_len=96)
+    spec = DFlashSpecWrapper(target, draft, speculation="fixed", max_batch_size=4, batch_buckets=(1, 2, 4),
+                             max_seq_len=96)
     backend = CountingBackend()
     spec.compile(backend=backend, fullgraph=True)
     torch._dynamo.reset()

@@ -35,7 +35,7 @@ def family_pair(request):
     prompts = {k: random_prompts(*v) for k, v in RUNS.items()}
     draft, fulls = oracle_pair(target, [p for ps in prompts.values() for p in ps], MAX_NEW, MAX_SEQ,
                                num_layers=2, block_size=4, target_layer_ids=[0, 1], seed=0)
-    kw = dict(max_batch_size=8, batch_buckets=(1, 8), max_seq_len=MAX_SEQ, page_size=8)
+    kw = dict(speculation="fixed", max_batch_size=8, batch_buckets=(1, 8), max_seq_len=MAX_SEQ, page_size=8)
     eager = DFlashSpecWrapper(target, draft, **kw)
     expected = {k: _run(eager, p) for k, p in prompts.items()}
     accepted = forced = 0

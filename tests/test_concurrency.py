@@ -25,7 +25,9 @@ def _prompts(lengths, seed=0):
 def _pair(**kw):
     target = tiny_target("qwen3")
     draft = DFlashDraftModel.from_target(target, num_layers=2, block_size=4, target_layer_ids=[1, 3], seed=0)
-    return target, DFlashSpecWrapper(target, draft, **{**dict(max_batch_size=3, max_seq_len=64, page_size=8), **kw})
+    # a fixed K: sampled callers then get their solo output exactly (under auto, their steps' K depend on the batch)
+    kw = {**dict(speculation="fixed", max_batch_size=3, max_seq_len=64, page_size=8), **kw}
+    return target, DFlashSpecWrapper(target, draft, **kw)
 
 
 def _wait_idle(spec, timeout=30.0):
@@ -211,10 +213,11 @@ def test_fewer_verified_drafts_are_lossless_and_counted(K):
 def test_num_speculative_tokens_bounds():
     target = tiny_target("qwen3")
     draft = DFlashDraftModel.from_target(target, num_layers=1, block_size=4)
-    for bad in (0, 4, -1, 1.5, True):
-        with pytest.raises(ValueError, match="1 <= num_speculative_tokens <= 3"):
+    for bad in (4, -1, 1.5, True):
+        with pytest.raises(ValueError, match="0 <= num_speculative_tokens <= 3"):
             DFlashSpecWrapper(target, draft, bad)
-    assert DFlashSpecWrapper(target, draft).num_speculative_tokens == 3
+    assert DFlashSpecWrapper(target, draft).num_speculative_tokens == 3  # auto: at most block_size - 1
+    assert DFlashSpecWrapper(target, draft, 0).speculative_ks == (0,)  # plain decoding
 
 
 # ------------------------------------------------------------------ vLLM's speculative_config
@@ -239,8 +242,8 @@ def test_from_speculative_config(tmp_path):
         DFlashSpecWrapper.from_speculative_config(target, {"method": "dflash", "model": str(tmp_path / "nope")})
     with pytest.raises(ValueError, match="not a drafter directory"):
         DFlashSpecWrapper.from_speculative_config(target, {"method": "dflash"})
-    for k in (0, 4):
-        with pytest.raises(ValueError, match="1 <= num_speculative_tokens <= 3"):
+    for k in (-1, 4):
+        with pytest.raises(ValueError, match="0 <= num_speculative_tokens <= 3"):
             DFlashSpecWrapper.from_speculative_config(
                 target, {"method": "dflash", "model": model, "num_speculative_tokens": k})
     with pytest.raises(ValueError, match=r"keys \['draft_tensor_parallel_size'\] are not supported"):

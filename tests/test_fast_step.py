@@ -24,6 +24,7 @@ def _prompts(lengths, seed=0):
 def _pair(family="qwen3", layers=2, **kw):
     target = tiny_target(family, num_hidden_layers=layers)
     draft = DFlashDraftModel.from_target(target, num_layers=2, block_size=4, target_layer_ids=[0, layers - 1], seed=0)
+    kw.setdefault("speculation", "fixed")  # graph counts and step shapes below are those of one K
     return target, draft, DFlashSpecWrapper(target, draft, **kw)
 
 

@@ -108,7 +108,7 @@ def ours(target, draft, prompt, max_new=MAX_NEW):
         accepted.append(a)
         return record(stats, n, a)
 
-    spec = DFlashSpecWrapper(target, draft, max_batch_size=1)
+    spec = DFlashSpecWrapper(target, draft, speculation="fixed", max_batch_size=1)
     hook = draft.register_forward_hook(lambda module, args, out: logits.append(out[:1].detach().clone()))
     try:
         with mock.patch.object(DFlashStats, "record", recording):

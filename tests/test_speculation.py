@@ -9,10 +9,10 @@ import torch
 
 from dflash_compile import DFlashDraftModel, DFlashSpecWrapper
 from dflash_compile.speculation import (
-    AcceptanceHistory, BatchSizeSchedule, FixedK, GoodputPolicy, Plan, SpeculationPolicy, StepView, context_bin,
+    AcceptanceHistory, BatchSizeSchedule, FixedK, GoodputPolicy, Plan, StepView, context_bin,
     default_ks, expected_accepted,
 )
-from oracle_draft import check_drafting, oracle_pair
+from oracle_draft import SWITCHING, CyclePolicy, check_drafting, oracle_pair
 from tiny_models import random_prompts, small_target, tiny_target
 
 PAD = 0
@@ -208,30 +208,12 @@ def test_speculation_argument_errors():
 
 
 # ------------------------------------------------------------------ the step with K switching
-class _Cycle(SpeculationPolicy):
-    """Forces the K sequence ``ks`` (repeated): each step proposes exactly when the next one verifies drafts."""
-
-    def __init__(self, ks):
-        self.seq, self.i = list(ks), 0
-
-    def ks(self, block_size):
-        return tuple(sorted(set(self.seq)))
-
-    def choose(self, view):
-        k = self.seq[self.i % len(self.seq)]
-        self.i += 1
-        return Plan(k, self.seq[self.i % len(self.seq)] > 0)
-
-
-SWITCHING = [0, 1, 3, 7, 0, 0, 2, 7, 1, 0, 5, 3]
-
-
 @pytest.mark.parametrize("family", ["qwen3", "gemma3"])
 def test_k_changing_every_step_is_lossless_and_replays(family):
     target = small_target(family)
     prompts = random_prompts([5, 13, 2, 9], 1)
     draft, fulls = oracle_pair(target, prompts, 40, 96, num_layers=2, block_size=8, target_layer_ids=[0, 1], seed=0)
-    spec = DFlashSpecWrapper(target, draft, speculation=_Cycle(SWITCHING), max_batch_size=4, max_seq_len=96,
+    spec = DFlashSpecWrapper(target, draft, speculation=CyclePolicy(SWITCHING), max_batch_size=4, max_seq_len=96,
                              page_size=8)
     out = spec.generate(prompts, max_new_tokens=40, pad_token_id=PAD, return_dict_in_generate=True,
                         output_drafts=True)
@@ -255,7 +237,7 @@ def test_sampling_law_with_k_switching(cycle, paths):
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        spec = DFlashSpecWrapper(target, draft, speculation=_Cycle(cycle), max_batch_size=ts.N,
+        spec = DFlashSpecWrapper(target, draft, speculation=CyclePolicy(cycle), max_batch_size=ts.N,
                                  batch_buckets=(ts.N,), max_seq_len=16)
         out = spec.generate([ts.PROMPT] * ts.N, max_new_tokens=3, do_sample=True, temperature=temperature,
                             top_k=top_k, top_p=top_p, seed=list(range(ts.N)), pad_token_id=0,
