@@ -199,8 +199,9 @@ def run(args) -> dict:
                "args": vars(args), "amx": has_amx(), "rows": [], "auto": {}, "notes": []}
     for dtype_name in dtypes:
         if dtype_name == "bf16" and not has_amx():
-            results["notes"].append("bf16 not run: this CPU has no AMX tiles (no amx_bf16 in /proc/cpuinfo), where "
+            results["notes"].append("bf16 not timed: this CPU has no AMX tiles (no amx_bf16 in /proc/cpuinfo), where "
                                     "bf16 matmuls are slower than fp32")
+            results["bf16_identity"] = bf16_identity(args, target_dir, tok, texts, batch_sizes)
             continue
         dtype = torch.float32 if dtype_name == "fp32" else torch.bfloat16
         target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype, attn_implementation="sdpa").eval()
@@ -248,6 +249,32 @@ def run(args) -> dict:
     return results
 
 
+def bf16_identity(args, target_dir, tok, texts, batch_sizes) -> list[dict]:
+    """Without AMX, bf16 is not worth timing, but whether its greedy output equals HF's own bf16 greedy still is:
+    a compiled K = 7 wrapper (its verify scores K + 1 tokens in one forward where HF scores one) on every workload's
+    queue at the smallest and the largest batch size, against ``target.generate`` bf16 at batch 1. Per prompt:
+    identical or not, and where not, the first new token that differs."""
+    _, draft_dir = resolve_pair(args.target, args.draft, args.pair_revision)
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
+    draft = DFlashDraftModel.from_pretrained(draft_dir, dtype=torch.bfloat16)
+    margs = argparse.Namespace(**{**vars(args), "methods": ("dflash_k7",)})
+    bench = Bench(margs, target, draft, tok, "bf16", batch_sizes)
+    out = []
+    for w, t in texts.items():
+        prompts = bench.ids(t)
+        refs = [_new_tokens(target.generate(torch.tensor([p]), **bench.gen)[0, len(p):].tolist(), bench.eos)
+                for p in prompts]
+        for b in sorted({min(batch_sizes), max(batch_sizes)}):
+            queue = prompts[: max(2 * b, 8)]
+            _, rows, _ = bench.run("dflash_k7", queue, b)
+            first = [next((i for i, (x, y) in enumerate(zip(r, ref)) if x != y), min(len(r), len(ref)))
+                     for r, ref in zip(rows, refs) if r != ref]
+            out.append({"workload": w, "batch": b, "requests": len(queue),
+                        "identical": sum(r == ref for r, ref in zip(rows, refs)), "first_difference_at": first})
+            print(f"bf16 identity {w} batch {b}: {out[-1]}", flush=True)
+    return out
+
+
 # ---------------------------------------------------------------------------------------------- report
 def _ratio_table(rows, dtype, t, names, batch_sizes) -> list[str]:
     get = {(r["workload"], r["batch"], r["method"]): r for r in rows if r["dtype"] == dtype and r["threads"] == t}
@@ -287,6 +314,13 @@ def markdown(results) -> str:
              "many outputs were identical to `target.generate` greedy at batch 1 when not all were.", ""]
     for note in results["notes"]:
         lines += [f"Note: {note}.", ""]
+    if results.get("bf16_identity"):
+        lines += ["bf16 greedy (compiled, K = 7) against HF's own bf16 greedy at batch 1, per request (untimed):", "",
+                  "| workload | batch | identical | where not: index of the first new token that differs |",
+                  "|---|---|---|---|"]
+        lines += [f"| {r['workload']} | {r['batch']} | {r['identical']}/{r['requests']} | "
+                  f"{r['first_difference_at'] or ''} |" for r in results["bf16_identity"]]
+        lines.append("")
     for dtype in dict.fromkeys(r["dtype"] for r in rows):
         for t in sorted({r["threads"] for r in rows}):
             lines += [f"## {dtype}, {t} thread(s)", ""] + _ratio_table(rows, dtype, t, names, batch_sizes) + [""]
@@ -357,6 +391,7 @@ def main():
     p.add_argument("--dtype", choices=("fp32", "bf16", "both"), default="both")
     p.add_argument("--cache-dir", default=str(Path(__file__).resolve().parents[1] / "build" / "dflash-cache"))
     p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--name", default="bench_batch", help="output files: NAME.{json,md,png}")
     args = p.parse_args()
     args.methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
     unknown = sorted(set(args.methods) - set(METHODS))
@@ -365,9 +400,10 @@ def main():
     results = run(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_batch.json").write_text(json.dumps(results, indent=2) + "\n")
-    (out / "bench_batch.md").write_text(markdown(results))
-    plot(results, out / "bench_batch.png")
+    (out / f"{args.name}.json").write_text(json.dumps(results, indent=2) + "\n")
+    (out / f"{args.name}.md").write_text(markdown(results))
+    if results["rows"]:
+        plot(results, out / f"{args.name}.png")
     print(markdown(results))
 
 

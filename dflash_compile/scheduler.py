@@ -3,9 +3,9 @@
 Threading model. Each ``DFlashSpecWrapper`` owns one ``Scheduler``. ``submit`` may be called from any thread: it
 queues the request and returns a ``RequestHandle`` at once. One driver thread per wrapper (started on demand,
 gone when no request is left) runs the loop: at every step boundary it drops cancelled requests, admits the
-queued ones that fit (prefilled together, in one forward) and runs one step of everything running. So requests
-that arrive separately share the batch, each at the next step after it arrives. Everything a request produces
-(tokens, its streamer's calls, its finish) is its own: a streamer that raises fails that request alone, and the
+queued ones that fit (prefilled together: one forward per run of similar prompt lengths, ``prefill_groups``) and
+runs one step of everything running. So requests that arrive separately share the batch, each at the next step
+after it arrives. Everything a request produces (tokens, its streamer's calls, its finish) is its own: a streamer that raises fails that request alone, and the
 others' rows never see its tokens (row outputs do not depend on other rows). An error the driver cannot pin on
 one request (the step itself failing) fails every request in flight, frees all their blocks and leaves the
 wrapper usable. A compiled wrapper's steps call their key's ahead-of-time compiled graph (``compiled_step.py``)
@@ -51,11 +51,7 @@ class _Request:
     cancelled: bool = False
     handle: RequestHandle | None = None
     acceptance: AcceptanceHistory | None = None  # per-position acceptance, for the speculation policy
-
-    @property
-    def remaining(self) -> int:
-        """New tokens it may still produce."""
-        return self.args.max_new_tokens - len(self.new)
+    drafted: bool = True  # its row holds drafts: its prefill or last step proposed (else only the bonus is fresh)
 
 
 @dataclass
@@ -126,7 +122,6 @@ class _Batch:
         long = dict(dtype=torch.long, device=device)
         self.rows: list[_Request] = []
         self.block = torch.zeros(num_rows, block_size, **long)  # the bonus and the drafts after it
-        self.drafted = True  # the last step proposed: ``block[:, 1:]`` holds drafts (else only the bonus is fresh)
         self.seq_lens = torch.zeros(num_rows, **long)
         self.tables = torch.full((num_rows, blocks_per_seq), -1, **long)
         self.active = torch.zeros(num_rows, dtype=torch.bool, device=device)
@@ -199,7 +194,7 @@ class Scheduler:
     def submit_together(self, prompts: list[list[int]], args: GenerationArgs,
                         generators: list[torch.Generator | None]) -> list[RequestHandle]:
         """Queue validated requests atomically: the driver sees all of them at once, so they are admitted in the
-        same step (one prefill forward) as far as free rows allow."""
+        same step (prefilled together) as far as free rows allow."""
         requests = [_Request(next(self._ids), list(p), args, g) for p, g in zip(prompts, generators, strict=True)]
         handles = [RequestHandle(r) for r in requests]
         with self._lock:
@@ -334,6 +329,7 @@ class Scheduler:
         self.cache = cache = self._pools(new)
         device = cache.device
         B = spec.block_size
+        new = sorted(new, key=lambda r: -len(r.prompt))  # prefill groups are runs of similar lengths
         if self.batch is None:
             self.batch = _Batch(spec.batch_bucket(len(new)), B, cache.blocks_per_seq, device)
         batch = self.batch
@@ -354,19 +350,32 @@ class Scheduler:
             a = r.args
             batch.do_sample[i], batch.temperature[i], batch.top_k[i], batch.top_p[i] = (
                 a.do_sample, a.temperature, a.top_k, a.top_p)
-        rows = slice(first, first + len(new))
-        L = max(len(r.prompt) for r in new)
-        ids = torch.tensor([[0] * (L - len(r.prompt)) + r.prompt for r in new], device=device)
+        first_tokens = []
+        for start, stop in prefill_groups([len(r.prompt) for r in new]):
+            first_tokens += self._prefill_rows(new[start:stop], first + start)
+        for i in range(first + len(new) - 1, first - 1, -1):
+            r = batch.rows[i]
+            if self._emit(r, first_tokens[i - first]):
+                batch.remove(i)
+                self._finish(r)
+
+    def _prefill_rows(self, group: list[_Request], first: int) -> list[int]:
+        """Prefill ``group`` (in rows ``first..``) in one left-padded forward; -> their first tokens."""
+        spec, batch, cache = self.spec, self.batch, self.cache
+        device, B = cache.device, spec.block_size
+        rows = slice(first, first + len(group))
+        L = max(len(r.prompt) for r in group)
+        ids = torch.tensor([[0] * (L - len(r.prompt)) + r.prompt for r in group], device=device)
         lens = batch.seq_lens[rows]
         pages = spec.context_bucket(L)
         sampling = None
-        if any(r.args.do_sample for r in new):
+        if any(r.args.do_sample for r in group):
             if batch.draft_probs is None:
                 batch.draft_probs = torch.zeros(batch.capacity, B - 1, spec.draft.config.vocab_size, device=device)
-            u = self._uniforms(new, len(new), 1 + (B - 1)).to(device)
+            u = self._uniforms(group, len(group), 1 + (B - 1)).to(device)
             sampling = spec.sampling_inputs(
                 batch.do_sample[rows], batch.temperature[rows], batch.top_k[rows], batch.top_p[rows],
-                batch.draft_probs[rows], torch.zeros(len(new), B - 1, device=device), u[:, 0], u[:, 1:],
+                batch.draft_probs[rows], torch.zeros(len(group), B - 1, device=device), u[:, 0], u[:, 1:],
             )
         tables = batch.tables[rows, :pages]
         state_slots = batch.state_slots[rows] if cache.has_states else None
@@ -374,12 +383,7 @@ class Scheduler:
         batch.block[rows] = block
         if probs is not None:
             batch.draft_probs[rows] = probs
-        first_tokens = block[:, 0].tolist()
-        for i in range(first + len(new) - 1, first - 1, -1):
-            r = batch.rows[i]
-            if self._emit(r, first_tokens[i - first]):
-                batch.remove(i)
-                self._finish(r)
+        return block[:, 0].tolist()
 
     def _step(self) -> None:
         """One speculative step of the running rows: the policy picks its ``K`` (how many of the proposed drafts
@@ -391,14 +395,15 @@ class Scheduler:
         view = StepView(bucket, list(rows), spec.context_bucket(self._longest(spec.verify_len)), sampled,
                         self._last_k)
         plan = spec.policy.choose(view)
-        K = plan.k if batch.drafted else 0  # after a step that did not propose, only the bonus is fresh
+        drafted = all(r.drafted for r in rows)
+        K = plan.k if drafted else 0  # a row whose last step did not propose has only its bonus
         bucket, step_inputs = self._step_inputs(K)
         view.pages = step_inputs[2].shape[1]
         sampling = (self._sampling(bucket, K, plan.propose),) if sampled else ()
         states = {"state_slots": batch.state_slots[:bucket]} if cache.has_states else {}
         drafts = any(r.args.output_drafts for r in rows)
         verified = batch.block[:bucket, 1:K + 1].tolist() if drafts else None
-        first_draft = batch.block[:bucket, 1].clone() if K == 0 and batch.drafted else None
+        first_draft = batch.block[:bucket, 1].clone() if K == 0 and drafted else None
         variant = (bucket, K, plan.propose, sampled, step_inputs[2].shape[1] if not spec.compiled else 0)
         events = len(spec._steps.events) if spec.compiled else 0
         start = time.perf_counter()
@@ -411,7 +416,8 @@ class Scheduler:
         self._timed.add(variant)
         agreed = ((first_draft == tokens[:, 0]).tolist() if first_draft is not None else [None] * bucket)
         batch.block[:bucket, : next_block.shape[1]] = next_block
-        batch.drafted = plan.propose
+        for r in rows:
+            r.drafted = plan.propose
         batch.seq_lens[:bucket] += num_accepted + batch.active[:bucket]
         if next_probs is not None:
             batch.draft_probs[:bucket] = next_probs
@@ -501,6 +507,29 @@ class Scheduler:
         elif len(r.new) >= args.max_new_tokens or len(r.prompt) + len(r.new) >= max_seq_len:
             r.finish_reason = "length"
         return r.finish_reason is not None
+
+
+PREFILL_OVERHEAD_TOKENS = 64
+
+
+def prefill_groups(lengths: list[int], overhead: int = PREFILL_OVERHEAD_TOKENS) -> list[tuple[int, int]]:
+    """Split prompts sorted longest first into runs ``[start, stop)``, each prefilled in one left-padded forward, so
+    that padding plus ``overhead`` tokens per forward (its fixed cost) is least: requests that join together with
+    similar lengths share a forward, and a short prompt does not pad to a long one's length when a forward of its
+    own costs less. (Exact: a minimum over every split into runs, ``O(n^2)``.)"""
+    n = len(lengths)
+    best = [0.0] + [float("inf")] * n  # best[j]: cost of the first j prompts
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        for i in range(j):  # the last run is [i, j), padded to lengths[i]
+            cost = best[i] + overhead + (j - i) * lengths[i]
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    runs, j = [], n
+    while j > 0:
+        runs.append((cut[j], j))
+        j = cut[j]
+    return runs[::-1]
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ Policies:
 - :class:`FixedK`: ``num_speculative_tokens=K`` (every step verifies ``K``).
 - :class:`BatchSizeSchedule`: vLLM's ``num_speculative_tokens_per_batch_size`` — ``K`` from the live batch size.
 - :class:`GoodputPolicy` (``speculation="auto"``, the default): each step's ``K`` maximises the batch's expected
-  tokens per second, ``sum_i min(1 + E_i[accepted | K], remaining_i) / cost(bucket, K, context)``, where ``cost`` is
+  tokens per second, ``sum_i (1 + E_i[accepted | K]) / cost(bucket, K, context)``, where ``cost`` is
   the measured wall time of that step graph on this machine (:class:`StepCosts`) and ``E_i`` comes from request
   ``i``'s own per-position acceptance history (:class:`AcceptanceHistory`; the drafter's pooled history is its
   prior until it has its own).
@@ -48,7 +48,7 @@ class Plan:
 @dataclass
 class StepView:
     """What a policy sees before a step: the batch ``bucket``, the live ``rows`` (their ``acceptance`` histories and
-    ``remaining`` token budgets), the step's context ``pages``, whether it runs the ``sampled`` graph, and the
+    ``args``), the step's context ``pages``, whether it runs the ``sampled`` graph, and the
     ``K`` the previous step verified."""
 
     bucket: int
@@ -258,7 +258,7 @@ class StepCosts:
 class GoodputPolicy(SpeculationPolicy):
     """``speculation="auto"``: the ``K`` that maximises the batch's expected tokens per second.
 
-    For each candidate ``K`` (``ks``), ``goodput(K) = sum_i min(1 + E_i(K), remaining_i) / cost(K)``: ``E_i`` from row
+    For each candidate ``K`` (``ks``), ``goodput(K) = sum_i (1 + E_i(K)) / cost(K)``: ``E_i`` from row
     ``i``'s acceptance history (shrunk toward the pooled history of every request this policy has seen), ``cost``
     the measured seconds of the step graph ``(bucket, K, proposes = K > 0, sampled)`` at this context bin. A ``K``
     whose graph was never timed at this bucket is explored only while its optimistic goodput — its tokens over the
@@ -273,7 +273,7 @@ class GoodputPolicy(SpeculationPolicy):
     """
 
     def __init__(self, ks: tuple[int, ...] | None = None, *, dwell: int = 4, margin: float = 0.03,
-                 probe_every: int = 16, prior_weight: float = 2.0, decay: float = 0.9, pooled_decay: float = 0.995):
+                 probe_every: int = 16, prior_weight: float = 4.0, decay: float = 0.95, pooled_decay: float = 0.995):
         if dwell < 1 or probe_every < 2:
             raise ValueError("dwell must be >= 1 and probe_every >= 2")
         self._ks, self.dwell, self.margin, self.probe_every = ks, dwell, margin, probe_every
@@ -313,7 +313,7 @@ class GoodputPolicy(SpeculationPolicy):
         ref = self._cell(view, self._want) if self._want is not None else None
         out, floor = {}, 0.0
         for k in ks:
-            tokens = sum(min(1.0 + expected_accepted(rt, k), max(1, r.remaining)) for rt, r in zip(rates, view.rows))
+            tokens = sum(1.0 + expected_accepted(rt, k) for rt in rates)
             cost = self.costs.estimate(self._cell(view, k), ref)
             if cost is not None:
                 floor = max(floor, cost)

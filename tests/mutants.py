@@ -44,7 +44,7 @@ _FROM_SCRATCH = "tests/test_drafting.py::test_wrapper_drafts_are_the_drafter_on_
 _COMPILED = "tests/test_compiled_generate.py::test_compiled_equals_eager[qwen3-dflash]"
 _DEFAULT_PAIR = "tests/test_default_pair.py::test_default_pair_speculates_as_well_as_measured"
 _LAW = "tests/test_sampling.py::test_sampled_law_matches_target"
-_FROM_SCRATCH_SWITCHING = "tests/test_drafting.py::test_wrapper_drafts_are_the_drafter_on_the_whole_context[qwen3-switching]"
+_FROM_SCRATCH_SWITCHING = _FROM_SCRATCH.replace("-fixed]", "-switching]")
 _LAW_SWITCHING = "tests/test_speculation.py::test_sampling_law_with_k_switching"
 
 MUTANTS = (
@@ -108,9 +108,9 @@ MUTANTS = (
            (_DRAFT_QWEN3,),
            "padded and rejected positions write into a real slot instead of the trash slot"),
     Mutant("plain_step_skips_injection", "dflash_compile/spec_wrapper.py",
-           (("        accepted = torch.arange(block.shape[1], device=block.device) <= num_accepted[:, None]  # [Bk, B]\n",
-             "        accepted = torch.arange(block.shape[1], device=block.device) <= num_accepted[:, None]  # [Bk, B]\n"
-             "        if not propose:\n            return tokens, num_accepted, bonus, None\n"),),
+           (("        self._inject(aux, positions, accepted & in_capacity,",
+             "        if not propose:\n            return tokens, num_accepted, bonus, None\n"
+             "        self._inject(aux, positions, accepted & in_capacity,"),),
            (_FROM_SCRATCH_SWITCHING,),
            "a step that proposes nothing (before a plain step) keeps its accepted positions from the drafter's cache"),
     Mutant("bonus_reuses_accept_uniform", "dflash_compile/scheduler.py",

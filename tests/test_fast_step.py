@@ -11,6 +11,7 @@ from dflash_compile import DFlashDraftModel, DFlashSpecWrapper
 from dflash_compile.backends import dflash_backend, dflash_passes, lower
 from dflash_compile.generation import resolve_generation_args
 from dflash_compile.spec_wrapper import _context_pages
+from dflash_compile.scheduler import PREFILL_OVERHEAD_TOKENS, prefill_groups
 from tiny_models import VOCAB, tiny_target
 
 PAD = VOCAB - 2
@@ -128,7 +129,8 @@ def test_step_attends_over_its_context_bucket_not_the_capacity():
     bucket, inputs = spec.scheduler.prefill_batch(_prompts([5, 9, 3]), args)
     block, seq_lens, tables, active = inputs[:4]
     assert bucket == 4 and tables.shape == (4, 2)  # 9 + 4 positions -> the 16-token bucket: 2 pages of 8
-    assert seq_lens.tolist() == [5, 9, 3, 0] and active.tolist() == [True, True, True, False]
+    # rows longest first (prefill runs are of similar lengths), then the bucket's free row
+    assert seq_lens.tolist() == [9, 5, 3, 0] and active.tolist() == [True, True, True, False]
 
 
 def test_long_generation_compiles_a_bounded_number_of_graphs():
@@ -152,6 +154,19 @@ def test_long_generation_compiles_a_bounded_number_of_graphs():
     again = spec.generate([_prompts([9], seed=1)[0]], max_new_tokens=140)  # warm: compiles nothing
     assert torch.equal(again, eager.generate([_prompts([9], seed=1)[0]], max_new_tokens=140))
     assert len(graphs) == 1 and [how for _, how, _ in spec._steps.events] == ["compiled"]
+
+
+def test_prefill_groups_minimise_padding_plus_a_cost_per_forward():
+    assert prefill_groups([13, 7, 4, 2]) == [(0, 4)]  # 26 padded tokens: less than a second forward costs
+    assert prefill_groups([300, 10]) == [(0, 1), (1, 2)]  # 290 padded tokens: more than a second forward
+    assert prefill_groups([180, 179, 174, 172, 157, 153, 148, 141, 127, 122, 116, 105, 85, 85, 74, 60]) == [
+        (0, 4), (4, 8), (8, 12), (12, 16)]
+    for lengths in ([5], [100] * 6, [200, 150, 150, 20, 20, 19], [64, 1, 1, 1]):
+        runs = prefill_groups(lengths)
+        assert runs[0][0] == 0 and runs[-1][1] == len(lengths) and all(a[1] == b[0] for a, b in zip(runs, runs[1:]))
+        cost = lambda rs: sum(PREFILL_OVERHEAD_TOKENS + (e - b) * lengths[b] for b, e in rs)  # noqa: E731
+        singles = [(i, i + 1) for i in range(len(lengths))]
+        assert cost(runs) <= min(cost([(0, len(lengths))]), cost(singles))
 
 
 def test_requests_arriving_together_are_prefilled_in_one_forward():

@@ -27,7 +27,8 @@ def pair():
     torch.set_num_threads(1)  # tiny models: threads only add contention
     target = tiny_target("qwen3")
     draft = DFlashDraftModel.from_target(target, num_layers=2, block_size=4, target_layer_ids=[1, 3], seed=0)
-    yield target, DFlashSpecWrapper(target, draft, max_batch_size=4, max_seq_len=64)
+    # a fixed K: seeded sampled calls below are compared with each other (under auto, only their law is the same)
+    yield target, DFlashSpecWrapper(target, draft, speculation="fixed", max_batch_size=4, max_seq_len=64)
     torch.set_num_threads(threads)
 
 

@@ -19,10 +19,10 @@ PAD = 0
 
 
 class _Row:
-    """What the controller reads of a request: its acceptance history and its remaining token budget."""
+    """What the controller reads of a request: its acceptance history."""
 
-    def __init__(self, acceptance, remaining=1000):
-        self.acceptance, self.remaining = acceptance, remaining
+    def __init__(self, acceptance):
+        self.acceptance = acceptance
 
 
 def _history(rate, size=7, n=100):
@@ -92,13 +92,6 @@ def test_growing_cost_chooses_the_goodput_argmax():
     assert max(goodput, key=goodput.get) == 4
     assert policy.choose(_view(rows)) == Plan(4, True)
     assert policy.last_goodput == pytest.approx({k: 8 * g for k, g in goodput.items()}, rel=2e-3)  # prior-shrunk
-
-
-def test_rows_near_their_end_do_not_pay_for_drafts():
-    policy, _ = _policy(1.0, lambda k, p: 1.0 + 0.1 * k)
-    assert policy.choose(_view([_Row(_history(1.0), remaining=1) for _ in range(8)])).k == 0
-    policy, _ = _policy(1.0, lambda k, p: 1.0 + 0.1 * k)
-    assert policy.choose(_view([_Row(_history(1.0), remaining=3) for _ in range(8)])).k == 2
 
 
 def test_each_request_uses_its_own_history():
