@@ -5,10 +5,10 @@ queues the request and returns a ``RequestHandle`` at once. One driver thread pe
 gone when no request is left) runs the loop: at every step boundary it drops cancelled requests, admits the
 queued ones that fit (prefilled together: one forward per run of similar prompt lengths, ``prefill_groups``) and
 runs one step of everything running. So requests that arrive separately share the batch, each at the next step
-after it arrives. Everything a request produces (tokens, its streamer's calls, its finish) is its own: a streamer that raises fails that request alone, and the
-others' rows never see its tokens (row outputs do not depend on other rows). An error the driver cannot pin on
-one request (the step itself failing) fails every request in flight, frees all their blocks and leaves the
-wrapper usable. A compiled wrapper's steps call their key's ahead-of-time compiled graph (``compiled_step.py``)
+after it arrives. Everything a request produces (tokens, its streamer's calls, its finish) is its own: a
+streamer that raises fails that request alone, and the others' rows never see its tokens (row outputs do not
+depend on other rows). An error the driver cannot pin on one request (the step itself failing) fails every
+request in flight, frees all their blocks and leaves the wrapper usable. A compiled wrapper's steps call their key's ahead-of-time compiled graph (``compiled_step.py``)
 directly, with no dynamo frame evaluation and no global state, so wrappers step concurrently; only tracing a new
 graph takes a process-wide lock.
 
