@@ -5,7 +5,9 @@ queues the request and returns a ``RequestHandle`` at once. One driver thread pe
 gone when no request is left) runs the loop: at every step boundary it drops cancelled requests, admits the
 queued ones that fit (prefilled together: one forward per run of similar prompt lengths, ``prefill_groups``) and
 runs one step of everything running. So requests that arrive separately share the batch, each at the next step
-after it arrives. Everything a request produces (tokens, its streamer's calls, its finish) is its own: a
+after it arrives. The driver runs the steps with the intra-op thread count (``torch.get_num_threads()``) of the
+thread that submitted last (OpenMP's team size is per thread: a new thread would get the process default).
+Everything a request produces (tokens, its streamer's calls, its finish) is its own: a
 streamer that raises fails that request alone, and the others' rows never see its tokens (row outputs do not
 depend on other rows). An error the driver cannot pin on one request (the step itself failing) fails every
 request in flight, frees all their blocks and leaves the wrapper usable. A compiled wrapper's steps call their key's ahead-of-time compiled graph (``compiled_step.py``)
@@ -184,6 +186,7 @@ class Scheduler:
         self.batch: _Batch | None = None
         self.cache = None
         self._last_k = 0
+        self._threads = torch.get_num_threads()  # intra-op threads of the latest submitting thread
         self._timed: set[tuple] = set()  # step variants already run once (their first call is not timed)
 
     # ------------------------------------------------------------------ any thread
@@ -199,6 +202,7 @@ class Scheduler:
         handles = [RequestHandle(r) for r in requests]
         with self._lock:
             self._waiting.extend(requests)
+            self._threads = torch.get_num_threads()  # the caller's: the driver runs the steps with as many
             if self._driver is None:
                 self._driver = threading.Thread(target=self._drive, name="dflash-scheduler")  # exit waits for it
                 self._driver.start()
@@ -233,6 +237,8 @@ class Scheduler:
         try:
             with torch.no_grad():
                 while True:
+                    if torch.get_num_threads() != self._threads:  # a thread's OpenMP team size is its own: a
+                        torch.set_num_threads(self._threads)  # new thread would run with the process default
                     with self._lock:
                         running = self.batch.rows if self.batch is not None else []
                         free = self.spec.max_batch_size - len(running)

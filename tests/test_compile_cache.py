@@ -215,7 +215,8 @@ def test_on_miss_background_compiles_while_the_eager_step_serves():
     spec.compile(backend=backend, on_miss="background")
     prompt = random_prompts([12], 5)[0]
     assert _new_tokens(spec, prompt, 40) == _reference(target, prompt, 40)  # served eagerly while it compiles
-    assert spec._steps.events[0][1] == "eager"
+    # the first step ran eagerly (its event may land after the compile's: they finish in either order)
+    assert "eager" in [how for _, how, _ in spec._steps.events]
     report = spec.precompile(batch_sizes=[1])  # waits for the background compile
     assert list(report.values()) == [("ready", 0.0)] and backend.graphs == [1]
     n = len(spec._steps.events)

@@ -249,3 +249,26 @@ def test_from_speculative_config(tmp_path):
     with pytest.raises(ValueError, match=r"keys \['draft_tensor_parallel_size'\] are not supported"):
         DFlashSpecWrapper.from_speculative_config(
             target, {"method": "dflash", "model": model, "draft_tensor_parallel_size": 1})
+
+
+def test_the_driver_thread_uses_the_callers_thread_count():
+    # torch.set_num_threads sets the calling thread's OpenMP team size only: the driver thread must adopt the
+    # caller's, or a caller asking for 2 threads would have its steps run on 1.
+    target, spec = _pair()
+    seen = []
+    step = spec.step
+
+    def recording(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return step(*args, **kwargs)
+
+    spec.step = recording
+    n = torch.get_num_threads()
+    try:
+        for threads in (2, 1):
+            torch.set_num_threads(threads)
+            seen.clear()
+            spec.generate([[5, 6, 7]], max_new_tokens=6)
+            assert seen and set(seen) == {threads}
+    finally:
+        torch.set_num_threads(n)
