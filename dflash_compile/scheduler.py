@@ -10,9 +10,9 @@ thread that submitted last (OpenMP's team size is per thread: a new thread would
 Everything a request produces (tokens, its streamer's calls, its finish) is its own: a
 streamer that raises fails that request alone, and the others' rows never see its tokens (row outputs do not
 depend on other rows). An error the driver cannot pin on one request (the step itself failing) fails every
-request in flight, frees all their blocks and leaves the wrapper usable. A compiled wrapper's steps call their key's ahead-of-time compiled graph (``compiled_step.py``)
-directly, with no dynamo frame evaluation and no global state, so wrappers step concurrently; only tracing a new
-graph takes a process-wide lock.
+request in flight, frees all their blocks and leaves the wrapper usable. A compiled wrapper's steps call their
+key's ahead-of-time compiled graph (``compiled_step.py``) directly, with no dynamo frame evaluation and no global
+state, so wrappers step concurrently; only tracing a new graph takes a process-wide lock.
 
 A request's KV blocks and recurrent-state slot are freed when it finishes, fails or is cancelled. Pools grow
 (contents kept) when the requests in flight need more blocks than they hold; compiled, they are allocated at

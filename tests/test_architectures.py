@@ -50,7 +50,8 @@ def _spec(target, drafter, prompts=(), cls=DFlashSpecWrapper, **kw):
         draft, fulls = oracle_pair(target, list(prompts), NEW, 96, **draft_kw)
     else:
         draft = DFlashDraftModel.from_target(target, **draft_kw)
-    return cls(target, draft, **{**dict(speculation="fixed", max_batch_size=4, max_seq_len=96, page_size=8), **kw}), fulls
+    kw = {**dict(speculation="fixed", max_batch_size=4, max_seq_len=96, page_size=8), **kw}
+    return cls(target, draft, **kw), fulls
 
 
 @pytest.mark.parametrize("drafter", ["random", "always_right", "oracle"])
