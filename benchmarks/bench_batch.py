@@ -201,7 +201,7 @@ def run(args) -> dict:
         if dtype_name == "bf16" and not has_amx():
             results["notes"].append("bf16 not timed: this CPU has no AMX tiles (no amx_bf16 in /proc/cpuinfo), where "
                                     "bf16 matmuls are slower than fp32")
-            results["bf16_identity"] = bf16_identity(args, target_dir, tok, texts, batch_sizes)
+            results["bf16_identity"] = bf16_identity(args, target_dir, draft_dir, tok, texts, batch_sizes)
             continue
         dtype = torch.float32 if dtype_name == "fp32" else torch.bfloat16
         target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype, attn_implementation="sdpa").eval()
@@ -249,12 +249,11 @@ def run(args) -> dict:
     return results
 
 
-def bf16_identity(args, target_dir, tok, texts, batch_sizes) -> list[dict]:
+def bf16_identity(args, target_dir, draft_dir, tok, texts, batch_sizes) -> list[dict]:
     """Without AMX, bf16 is not worth timing, but whether its greedy output equals HF's own bf16 greedy still is:
     a compiled K = 7 wrapper (its verify scores K + 1 tokens in one forward where HF scores one) on every workload's
     queue at the smallest and the largest batch size, against ``target.generate`` bf16 at batch 1. Per prompt:
     identical or not, and where not, the first new token that differs."""
-    _, draft_dir = resolve_pair(args.target, args.draft, args.pair_revision)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
     draft = DFlashDraftModel.from_pretrained(draft_dir, dtype=torch.bfloat16)
     margs = argparse.Namespace(**{**vars(args), "methods": ("dflash_k7",)})

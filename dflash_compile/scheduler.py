@@ -185,7 +185,6 @@ class Scheduler:
         self._ids = itertools.count()
         self.batch: _Batch | None = None
         self.cache = None
-        self._last_k = 0
         self._threads = torch.get_num_threads()  # intra-op threads of the latest submitting thread
         self._timed: set[tuple] = set()  # step variants already run once (their first call is not timed)
 
@@ -398,8 +397,7 @@ class Scheduler:
         rows = batch.rows
         sampled = any(r.args.do_sample for r in rows)
         bucket = spec.batch_bucket(len(rows))
-        view = StepView(bucket, list(rows), spec.context_bucket(self._longest(spec.verify_len)), sampled,
-                        self._last_k)
+        view = StepView(bucket, list(rows), spec.context_bucket(self._longest(spec.verify_len)), sampled)
         plan = spec.policy.choose(view)
         drafted = all(r.drafted for r in rows)
         K = plan.k if drafted else 0  # a row whose last step did not propose has only its bonus
@@ -431,7 +429,6 @@ class Scheduler:
         for row in token_list[: len(rows)]:
             accepted.append((row.index(-1) - 1 if -1 in row else K) if K > 0 else None)
         spec.policy.observe(view, K, plan.propose, seconds, accepted, agreed[: len(rows)])
-        self._last_k = K
         tokens = token_list
         for i in range(len(rows) - 1, -1, -1):  # backwards: a finished row is replaced by the last one
             r, row = rows[i], tokens[i]

@@ -48,14 +48,12 @@ class Plan:
 @dataclass
 class StepView:
     """What a policy sees before a step: the batch ``bucket``, the live ``rows`` (their ``acceptance`` histories and
-    ``args``), the step's context ``pages``, whether it runs the ``sampled`` graph, and the
-    ``K`` the previous step verified."""
+    ``args``), the step's context ``pages`` and whether it runs the ``sampled`` graph."""
 
     bucket: int
     rows: list
     pages: int
     sampled: bool
-    previous_k: int
 
     @property
     def live(self) -> int:
@@ -285,7 +283,7 @@ class GoodputPolicy(SpeculationPolicy):
         self._since_switch = 0
         self._zero_steps = 0
         self.switches = 0  # changes of the wanted K
-        self.steps = 0
+        self._checked_ks: tuple[int, ...] = ()
         self.last_goodput: dict[int, float] = {}
 
     def ks(self, block_size: int) -> tuple[int, ...]:
@@ -294,7 +292,8 @@ class GoodputPolicy(SpeculationPolicy):
         bad = [k for k in ks if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= block_size - 1]
         if bad:
             raise ValueError(f"speculative K values {bad} are outside [0, block_size - 1 = {block_size - 1}]")
-        return tuple(sorted(set(ks)))
+        self._checked_ks = tuple(sorted(set(ks)))
+        return self._checked_ks
 
     def history(self, size: int) -> AcceptanceHistory:
         """A new request's acceptance history."""
@@ -323,8 +322,7 @@ class GoodputPolicy(SpeculationPolicy):
         return out
 
     def choose(self, view: StepView) -> Plan:
-        ks = self.ks(self.block_size)
-        self.steps += 1
+        ks = self._checked_ks
         g = self.goodputs(view, ks)
         self.last_goodput = {k: v for k, (v, _) in g.items()}
         measured = [k for k in ks if g[k][1]]

@@ -43,7 +43,7 @@ def _policy(rate, cost, bucket=8, pages=16, sampled=False, **kw):
 
 
 def _view(rows, bucket=8, pages=16, sampled=False):
-    return StepView(bucket, rows, pages, sampled, 0)
+    return StepView(bucket, rows, pages, sampled)
 
 
 def test_default_ks():
