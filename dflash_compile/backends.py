@@ -12,19 +12,26 @@ patterns for ``torch.ops.dflash.*``) and hand the result on:
 
 Registered through the ``torch_dynamo_backends`` entry-point group, so ``torch.compile(fn, backend="dflash")``
 works without importing this package first. Graphs with dynamic shapes (the step's context length) are retraced in
-dynamo's own symbolic sizes, so the passes and lowerings keep them symbolic (``_retrace``).
+dynamo's own symbolic sizes, so the passes and lowerings keep them symbolic (``_retrace``). Graphs whose inputs are
+tensor subclasses (a tensor-parallel target's DTensor parameters) are retraced over the subclasses' plain parts
+(``Subclasses``): the DTensor ops become local ATen ops and functional collectives in the graph, the passes see the
+local shards, and the compiled graph is called with each input's local tensor.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import importlib.util
 import logging
+import pickle
 import unittest.mock
 
 import torch
 from torch._dynamo.utils import dynamo_timed
 from torch._inductor import config as inductor_config
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +47,12 @@ INDUCTOR_OPTIONS = {"freezing": False}
 #: 32.31 ms (one thread, context 500; ``benchmarks/bench_cpu_options.py``). Not on CUDA, where it is unmeasured
 #: here and CUDA graphs are the way to hide launch overhead.
 CPU_INDUCTOR_OPTIONS = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True, "cpp_cache_precompile_headers": False}
+#: For graphs with collectives (a tensor-parallel step), torch 2.13: the C++ wrapper cannot call a collective's
+#: kernel (``NotImplementedError: arg type Any is not yet supported by custom_op_wrapper``: the group argument); and
+#: ``reorder_for_locality`` moved the kernel that adds the last decoder layer's MLP output into the residual stream
+#: ahead of that output's in-place all-reduce, so it read this rank's partial sum (greedy tokens diverged from the
+#: eager step's within 12 tokens on a tiny Qwen3 over two gloo ranks; ``tests/test_tensor_parallel.py``).
+COLLECTIVE_INDUCTOR_OPTIONS = {"cpp_wrapper": False, "reorder_for_locality": False}
 _said: set[str] = set()
 
 
@@ -55,7 +68,7 @@ def _is_dynamic(gm: torch.fx.GraphModule, example_inputs) -> bool:
             return True
         if isinstance(x, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in x.shape):
             return True
-    for node in gm.graph.find_nodes(op="placeholder"):
+    for node in gm.graph.find_nodes(op="placeholder") if isinstance(gm, torch.fx.GraphModule) else ():
         ev = node.meta.get("example_value")
         if isinstance(ev, torch.SymInt) or (
             isinstance(ev, torch.Tensor) and any(not isinstance(d, int) for d in ev.shape)
@@ -64,12 +77,150 @@ def _is_dynamic(gm: torch.fx.GraphModule, example_inputs) -> bool:
     return False
 
 
-def _retrace(gm: torch.fx.GraphModule, example_inputs, decomposition_table=None) -> torch.fx.GraphModule:
+def _parts(x) -> list:
+    """``x``'s attribute path to each plain tensor it is made of (``[()]`` for a plain tensor)."""
+    if not is_traceable_wrapper_subclass(x):
+        return [()]
+    names, _ = x.__tensor_flatten__()
+    return [(n,) + rest for n in names if isinstance(getattr(x, n), torch.Tensor) for rest in _parts(getattr(x, n))]
+
+
+def _part(x, path):
+    for name in path:
+        x = getattr(x, name)
+    return x
+
+
+def _rebuild(like, plain: dict, prefix=()):
+    """``like``'s subclass rebuilt around ``plain[path]`` tensors (fake ones, while tracing); its inner objects
+    that are not tensors (a DTensor's device mesh) are ``like``'s own."""
+    if not is_traceable_wrapper_subclass(like):
+        return plain[prefix]
+    names, ctx = like.__tensor_flatten__()
+    inner = {n: _rebuild(getattr(like, n), plain, prefix + (n,)) if isinstance(getattr(like, n), torch.Tensor)
+             else getattr(like, n) for n in names}
+    return type(like).__tensor_unflatten__(inner, ctx, like.size(), like.stride())
+
+
+@contextlib.contextmanager
+def _subclass_ops_traced_through():
+    """While tracing to pre-dispatch ATen, an op with tensor-subclass arguments (a DTensor embedding in a
+    tensor-parallel target) is traced through the subclass's own dispatch, one level down, into the ops it runs
+    on the plain tensors inside (the DTensor's local shard, its collectives). Pre-dispatch tracing has no such
+    path: its proxy mode refuses subclass arguments (``NotImplemented``, which it cannot return there)."""
+    from torch.fx.experimental import proxy_tensor
+
+    plain_call = proxy_tensor.proxy_call
+
+    def proxy_call(proxy_mode, func, pre_dispatch, args, kwargs):
+        if pre_dispatch and any(is_traceable_wrapper_subclass(x) for x in torch.utils._pytree.tree_leaves(
+                (args, kwargs))):
+            below = proxy_tensor.ProxyTorchDispatchMode(proxy_mode.tracer, proxy_mode.tracing_mode,
+                                                        pre_dispatch=False)
+            with below:
+                return func(*args, **kwargs)
+        return plain_call(proxy_mode, func, pre_dispatch, args, kwargs)
+
+    with unittest.mock.patch.object(proxy_tensor, "proxy_call", proxy_call):
+        yield
+
+
+class Subclasses:
+    """How a graph's tensor-subclass inputs split into plain tensors, in order (``paths[i]``: input ``i``'s attribute
+    path to each part). ``flatten`` does it to a call's arguments; ``graph`` turns a graph over the subclass inputs
+    into one over their parts, traced through the subclasses' own dispatch."""
+
+    def __init__(self, paths: list[list[tuple]]):
+        self.paths = paths
+
+    @classmethod
+    def of(cls, example_inputs) -> "Subclasses | None":
+        """None when no input is a tensor subclass."""
+        if not any(is_traceable_wrapper_subclass(x) for x in example_inputs):
+            return None
+        return cls([_parts(x) if isinstance(x, torch.Tensor) else [None] for x in example_inputs])
+
+    def flatten(self, args) -> list:
+        return [x if path is None else _part(x, path) for x, paths in zip(args, self.paths) for path in paths]
+
+    def graph(self, gm, example_inputs):
+        """``(fn, flat inputs)``: ``fn(*flat)`` rebuilds ``example_inputs``' subclasses around its arguments and runs
+        ``gm`` (whose outputs must be plain tensors)."""
+        spans, at = [], 0
+        for paths in self.paths:
+            spans.append((at, at + len(paths)))
+            at += len(paths)
+
+        def fn(*flat):
+            args = []
+            for like, paths, (a, b) in zip(example_inputs, self.paths, spans):
+                args.append(flat[a] if paths == [None] or paths == [()] else
+                            _rebuild(like, dict(zip(paths, flat[a:b]))))
+            out = gm(*args)
+            if any(is_traceable_wrapper_subclass(o) for o in torch.utils._pytree.tree_leaves(out)):
+                raise NotImplementedError("dflash: a step graph that returns a tensor subclass (DTensor) is not "
+                                          "supported; its outputs must be plain tensors")
+            return out
+
+        return fn, self.flatten(example_inputs)
+
+
+class _OverParts(torch._dynamo.aot_compile_types.SerializableCallable):
+    """A graph compiled over its subclass inputs' plain parts, called with the subclass inputs; saved as the inner
+    graph's artefact and the inputs' paths."""
+
+    def __init__(self, inner, subclasses: Subclasses):
+        self.inner, self.subclasses = inner, subclasses
+
+    def __call__(self, *args):
+        return self.inner(*self.subclasses.flatten(args))
+
+    @classmethod
+    def serialize_compile_artifacts(cls, fn) -> bytes:
+        inner = type(fn.inner)
+        return pickle.dumps((fn.subclasses.paths, inner.__module__, inner.__qualname__,
+                             inner.serialize_compile_artifacts(fn.inner)))
+
+    @classmethod
+    def deserialize_compile_artifacts(cls, data: bytes):
+        paths, module, name, payload = pickle.loads(data)
+        inner = getattr(importlib.import_module(module), name)
+        return cls(inner.deserialize_compile_artifacts(payload), Subclasses(paths))
+
+
+def _serializable(compiled):
+    """What ``compile_fx`` returns, as the ahead-of-time capture wraps it (see ``torch._dynamo.aot_compile``)."""
+    from torch._dynamo.aot_compile_types import BundledAOTAutogradSerializableCallable
+
+    if isinstance(compiled, torch._dynamo.aot_compile_types.SerializableCallable):
+        return compiled
+    if getattr(compiled, "serialize", None) is not None:
+        return BundledAOTAutogradSerializableCallable(compiled)
+    return compiled
+
+
+def _over_parts(backend):
+    """``backend`` for graphs with tensor-subclass inputs: it compiles the graph over their plain parts."""
+
+    def compile(gm, example_inputs, options=None):
+        subclasses = Subclasses.of(example_inputs)
+        if subclasses is None:
+            return backend(gm, example_inputs, options)
+        fn, flat = subclasses.graph(gm, example_inputs)
+        with dynamo_timed("dflash.desugar"), _subclass_ops_traced_through():
+            plain = _retrace(fn, flat, dynamic=_is_dynamic(gm, example_inputs))
+        return _OverParts(_serializable(backend(plain, flat, options)), subclasses)
+
+    compile.__name__, compile.__qualname__, compile.__doc__ = backend.__name__, backend.__qualname__, backend.__doc__
+    return compile
+
+
+def _retrace(gm, example_inputs, decomposition_table=None, dynamic: bool | None = None) -> torch.fx.GraphModule:
     """``gm`` retraced to pre-dispatch ATen (with ``decomposition_table`` applied). A static graph is traced outside
     dynamo's tracing context (make_fx would otherwise fakify its inputs in dynamo's shape env with fresh,
     source-less symbols); a dynamic one in dynamo's own fake mode, so its sizes stay dynamo's symbols (the
     ranges and guards dynamo recorded for them)."""
-    if _is_dynamic(gm, example_inputs):
+    if dynamic if dynamic is not None else _is_dynamic(gm, example_inputs):
         # Dynamo hands the backend real tensors and keeps their symbolic sizes in the tracing context: fakify them
         # there, as AOTAutograd does, so the retraced graph's sizes are dynamo's symbols.
         context = torch._guards.TracingContext.get()
@@ -137,10 +288,20 @@ def _inductor(gm, example_inputs, options):
     # its SymInt inputs: make_fx's placeholders lose ``val`` (dynamo's own graphs carry none), so the inputs count.
     for node in gm.graph.find_nodes(op="placeholder"):
         node.meta.pop("val", None)
-    with inductor_config.patch(inductor_options(kinds, options)):
+    opts = inductor_options(kinds, options)
+    if _collectives(gm):  # a tensor-parallel step: Inductor's defaults that break it, unless ``options`` set them
+        opts.update({**COLLECTIVE_INDUCTOR_OPTIONS, **(options or {})})
+    with inductor_config.patch(opts):
         return compile_fx(gm, example_inputs)
 
 
+def _collectives(gm: torch.fx.GraphModule) -> int:
+    """The graph's functional collectives (a tensor-parallel step's all-reduces and all-gathers), waits excluded."""
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+               and n.target.namespace == "_c10d_functional" and n.target.__name__.split(".")[0] != "wait_tensor")
+
+
+@_over_parts
 def dflash_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None):
     """``torch.compile(..., backend="dflash")``: DFlash passes, device lowerings, then Inductor."""
     return _inductor(lower(dflash_passes(gm, example_inputs), example_inputs), example_inputs, options)
@@ -150,6 +311,7 @@ def neuron_sdk_available() -> bool:
     return importlib.util.find_spec("torch_neuronx") is not None and importlib.util.find_spec("nki") is not None
 
 
+@_over_parts
 def dflash_neuron_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None):
     """``torch.compile(..., backend="dflash_neuron")``: DFlash passes, NKI kernels, the Neuron SDK's backend.
 
