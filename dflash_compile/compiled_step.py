@@ -150,6 +150,8 @@ def fingerprint(spec, backend: str, mode, options: dict) -> dict:
                    getattr(spec.target.config, "_attn_implementation", None), _module_signature(spec.target)],
         "draft": [_config_json(spec.draft.config), repr(spec.draft.dflash_config), _module_signature(spec.draft)],
         "geometry": [spec.max_batch_size, spec.max_seq_len, spec.page_size],
+        # each rank of a tensor-parallel target compiles its own graph (its shards, its collectives)
+        "tensor_parallel": [spec.tp.rank, spec.tp.world] if spec.tp is not None else None,
     }
 
 

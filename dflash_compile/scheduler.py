@@ -21,6 +21,7 @@ capacity once, so a pool's shape never changes under a compiled graph.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import queue
 import threading
@@ -54,6 +55,7 @@ class _Request:
     handle: RequestHandle | None = None
     acceptance: AcceptanceHistory | None = None  # per-position acceptance, for the speculation policy
     drafted: bool = True  # its row holds drafts: its prefill or last step proposed (else only the bonus is fresh)
+    cancel_agreed: bool = False  # tensor-parallel: a cancel every rank has seen (``Scheduler._sync``)
 
 
 @dataclass
@@ -233,20 +235,26 @@ class Scheduler:
     # ------------------------------------------------------------------ the driver thread
     def _drive(self) -> None:
         incoming: list[_Request] = []
+        tp = self.spec.tp
         try:
             with torch.no_grad():
                 while True:
                     if torch.get_num_threads() != self._threads:  # a thread's OpenMP team size is its own: a
                         torch.set_num_threads(self._threads)  # new thread would run with the process default
+                    admit, seed = self._sync() if tp is not None else (None, None)
                     with self._lock:
                         running = self.batch.rows if self.batch is not None else []
                         free = self.spec.max_batch_size - len(running)
-                        incoming = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
+                        n = min(free, len(self._waiting)) if admit is None else admit
+                        incoming = [self._waiting.popleft() for _ in range(n)]
                         self._joining = len(incoming)
-                        if not incoming and not running:
+                        if not incoming and not running and (tp is None or (admit == 0 and seed is None
+                                                                            and not self._waiting)):
                             self._driver = None
                             self.batch = None
                             return
+                    if tp is not None:
+                        self._agree_on(incoming, seed)
                     self._drop_cancelled(incoming)
                     incoming = [r for r in incoming if r.finish_reason is None]
                     if incoming:
@@ -269,6 +277,42 @@ class Scheduler:
                 if not r.handle.done():
                     r.error = error
                     self._finish(r)
+
+    def _sync(self) -> tuple[int, int | None]:
+        """Tensor-parallel: agree with the other ranks, at the top of every driver iteration, on how many queued
+        requests join (as many as every rank has), which running rows are cancelled (any rank's cancel) and, as
+        rank 0 draws it, a seed for the joining requests that sample without one. -> ``(requests to admit, the
+        seed, or None when no rank has work: the driver may stop)``."""
+        tp, spec = self.spec.tp, self.spec
+        with self._lock:
+            running = self.batch.rows if self.batch is not None else []
+            free = spec.max_batch_size - len(running)
+            queued = len(self._waiting)
+        flags = [int(r.cancelled) for r in running] + [0] * (spec.max_batch_size - len(running))
+        seed = int(torch.randint(0, 2**62, (1,)).item()) if tp.rank == 0 else 0
+        ranks = tp.gather([min(free, queued), int(bool(queued or running)), seed] + flags)
+        for i, r in enumerate(running):
+            r.cancel_agreed = any(v[3 + i] for v in ranks)
+        admit = min(v[0] for v in ranks)
+        return admit, (ranks[0][2] if any(v[1] for v in ranks) else None)
+
+    def _agree_on(self, incoming: list[_Request], seed: int | None) -> None:
+        """Tensor-parallel: check that every rank admits the same requests (a digest of each), and seed the ones
+        that sample without a seed from rank 0's ``seed``."""
+        if not incoming:
+            return
+        for j, r in enumerate(incoming):
+            if r.args.do_sample and r.generator is None:
+                r.generator = torch.Generator().manual_seed((seed + j) % 2**62)
+        mine = [_digest(r) for r in incoming]
+        ranks = self.spec.tp.gather(mine)
+        odd = [k for k, v in enumerate(ranks) if v != ranks[0]]
+        if odd:
+            raise RuntimeError(
+                f"tensor-parallel ranks {odd} were given different requests than rank 0 (prompt, generation "
+                f"arguments or seed of the {len(incoming)} joining now): every rank must submit the same requests "
+                f"in the same order"
+            )
 
     def _fail_admission(self, new: list[_Request], error: Exception) -> None:
         """``new`` could not join: they fail with ``error``; the running rows go on."""
@@ -297,7 +341,8 @@ class Scheduler:
         r.handle._finish()
 
     def _drop_cancelled(self, incoming: list[_Request]) -> None:
-        for r in incoming:
+        tp = self.spec.tp is not None  # ranks drop the rows they agreed on (``_sync``); joining ones next time
+        for r in incoming if not tp else ():
             if r.cancelled:
                 r.finish_reason = "cancelled"
                 r.handle._finish()
@@ -305,7 +350,7 @@ class Scheduler:
         if batch is not None:
             for i in range(len(batch.rows) - 1, -1, -1):
                 r = batch.rows[i]
-                if r.cancelled:
+                if r.cancel_agreed if tp else r.cancelled:
                     r.finish_reason = "cancelled"
                     batch.remove(i)
                     self._finish(r)
@@ -399,6 +444,9 @@ class Scheduler:
         bucket = spec.batch_bucket(len(rows))
         view = StepView(bucket, list(rows), spec.context_bucket(self._longest(spec.verify_len)), sampled)
         plan = spec.policy.choose(view)
+        if spec.tp is not None:  # every rank runs rank 0's choice (each times its own steps)
+            k, propose = spec.tp.gather([plan.k, int(plan.propose)])[0]
+            plan = dataclasses.replace(plan, k=k, propose=bool(propose))
         drafted = all(r.drafted for r in rows)
         K = plan.k if drafted else 0  # a row whose last step did not propose has only its bonus
         bucket, step_inputs = self._step_inputs(K)
@@ -513,6 +561,15 @@ class Scheduler:
 
 
 PREFILL_OVERHEAD_TOKENS = 64
+
+
+def _digest(r: _Request) -> int:
+    """What must be the same for one request on every rank: its prompt, generation arguments and seed."""
+    from .distributed import digest
+
+    a = r.args
+    return digest(repr((r.prompt, a.max_new_tokens, a.do_sample, a.temperature, a.top_k, a.top_p,
+                        sorted(a.eos_token_ids), a.stop_strings, r.generator.initial_seed() if r.generator else None)))
 
 
 def prefill_groups(lengths: list[int], overhead: int = PREFILL_OVERHEAD_TOKENS) -> list[tuple[int, int]]:

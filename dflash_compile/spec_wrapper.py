@@ -20,6 +20,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from .distributed import TensorParallel
 from .draft_model import DFlashDraftModel
 from .generation import DFlashGenerateOutput, resolve_generation_args
 from .hidden_states import AuxHiddenStates, decoder_layers
@@ -204,6 +205,7 @@ class DFlashSpecWrapper(nn.Module):
         if max_batch_size < 1 or page_size < 1:
             raise ValueError(f"max_batch_size and page_size must be >= 1, got {max_batch_size}, {page_size}")
         self.target = target
+        self.tp = TensorParallel.of(target)  # a tensor-parallel target: ranks run in lockstep (distributed.py)
         self.draft = draft.bind_target(target)
         self.aux = AuxHiddenStates(target, draft.dflash_config.target_layer_ids, enabled=False)
         self._closed = False
@@ -234,6 +236,19 @@ class DFlashSpecWrapper(nn.Module):
         self.num_speculative_tokens = max(self.speculative_ks)  # the most a step verifies (sizes the pools)
         self._steps = None  # CompiledSteps once compile() is called
         self.scheduler = Scheduler(self)
+        if self.tp is not None:
+            self.tp.check_same("target, drafter and wrapper configuration", self._identity())
+
+    def _identity(self) -> str:
+        """What must be the same on every rank of a tensor-parallel target: both configs, the drafter's weights (a
+        checksum), the wrapper's geometry and the speculation policy's ``K`` set."""
+        with torch.no_grad():
+            weights = [round(float(p.double().sum()), 6) for p in self.draft.parameters() if type(p) is nn.Parameter
+                       or type(p) is torch.Tensor]
+        return json.dumps([self.target.config.get_text_config().to_json_string(), self.draft.config.to_json_string(),
+                           repr(self.draft.dflash_config), weights, self.max_batch_size, self.max_seq_len,
+                           self.page_size, self.batch_buckets, self.context_buckets, list(self.speculative_ks),
+                           type(self.policy).__name__])
 
     @property
     def block_size(self) -> int:
@@ -331,6 +346,10 @@ class DFlashSpecWrapper(nn.Module):
                              "leave dynamic unset")
         if kwargs:
             raise TypeError(f"compile() got unexpected arguments {sorted(kwargs)}")
+        if self.tp is not None and on_miss == "background":
+            raise ValueError("on_miss='background' is not supported with a tensor-parallel target: each rank would "
+                             "switch from the eager to the compiled step at its own time; use 'compile' or "
+                             "precompile()")
         self._steps = CompiledSteps(self, backend, cache_dir=cache_dir, on_miss=on_miss, mode=mode, options=options)
 
     @property
@@ -729,7 +748,10 @@ class DFlashSpecWrapper(nn.Module):
             raise ValueError("stop_strings needs the tokenizer: generate(..., stop_strings=..., tokenizer=tok)")
         if streamer is not None and len(prompts) > 1:
             raise ValueError(f"a streamer supports batch size 1 only (as in HF), got {len(prompts)} prompts")
-        generators = request_generators(len(prompts), seed, generator) if args.do_sample else [None] * len(prompts)
+        if args.do_sample and not (self.tp is not None and seed is None and generator is None):
+            generators = request_generators(len(prompts), seed, generator)
+        else:  # greedy; or tensor-parallel and unseeded: the scheduler seeds it from rank 0 when it joins
+            generators = [None] * len(prompts)
         if prefix is None:
             prefix = _left_pad(prompts, args.pad_token_id)
         if streamer is not None:
