@@ -3,11 +3,16 @@
     python examples/generate.py --target TARGET_DIR --draft DRAFT_DIR --prompt "def fib(n):"
     python examples/generate.py --prompts-file prompts.jsonl --temperature 0.8 --top-p 0.95 --seed 1 --batch-size 4
     python examples/generate.py --prompt "def fib(n):" --stream --backend dflash
+    torchrun --nproc-per-node 2 examples/generate.py --tp 2 --backend dflash   # the target split over 2 ranks
 
 Without --target/--draft it uses the shipped default pair (dflash_compile/assets/default_pair) when it exists;
 until then a tiny randomly initialised Qwen3 target and drafter (no download, no tokenizer: the prompt's UTF-8
 bytes are the token ids and token ids are printed), and says so: the output is then meaningless tokens, but
 the whole pipeline runs. A prompts file has one JSON object per line with a "prompt" field (or a JSON string).
+
+With --tp N, under torchrun with N processes (on one machine or several: torchrun's --nnodes and c10d rendezvous),
+the target is loaded with transformers' tensor-parallel plan (tp_plan="auto"; needs the accelerate package) and
+every rank runs the same generation; rank 0 prints. See docs/distributed.md.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
+import tempfile
 import time
 from collections import Counter
 
@@ -49,14 +56,38 @@ def _random_pair(block_size: int):
     return target, draft, None
 
 
-def _load_pair(target_dir: str, draft_dir: str):
+def _load_pair(target_dir: str, draft_dir: str, tp: int = 1):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    split = {"tp_plan": "auto"} if tp > 1 else {}
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32, **split).eval()
     draft = DFlashDraftModel.from_pretrained(draft_dir, dtype=torch.float32) if draft_dir else None
     tok = AutoTokenizer.from_pretrained(target_dir)
     check_tokenizer(tok, target)
     return target, draft, tok
+
+
+def _load_split(target_dir: str):
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32, tp_plan="auto").eval()
+    target.generation_config.eos_token_id = target.generation_config.pad_token_id = None
+    return target
+
+
+def _start_ranks(p, tp: int) -> None:
+    """Join torchrun's process group (``init_distributed``: gloo on CPU, the collective timeout of
+    ``$DFLASH_TP_TIMEOUT``); ranks other than 0 print nothing."""
+    from dflash_compile.distributed import init_distributed
+
+    try:
+        rank, world = init_distributed()
+    except RuntimeError as e:
+        p.error(f"--tp {tp}: {e}")
+    if world != tp:
+        p.error(f"--tp {tp}, but torchrun started {world} processes: give --nproc-per-node (times --nnodes) = {tp}")
+    if rank != 0:
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the life of the process
 
 
 def _default_pair_dirs():
@@ -124,6 +155,8 @@ def main(argv=None) -> None:
     p.add_argument("--block-size", type=int, default=8, help="block size of the random demo drafter")
     p.add_argument("--num-speculative-tokens", type=int, default=None,
                    help="K, the drafts every step verifies (0: plain decoding); default: chosen per step (auto)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel ranks: run under `torchrun --nproc-per-node N` (or --nnodes) with --tp N")
     p.add_argument("--speculative-config", default=None,
                    help='vLLM-style JSON, e.g. \'{"method": "dflash", "model": DRAFTER_DIR, "num_speculative_tokens": 4}\' '
                         "(the drafter comes from it; --draft is not needed)")
@@ -138,18 +171,27 @@ def main(argv=None) -> None:
     for i, text in enumerate(prompts):
         if not text:
             p.error(f"prompt {i} is empty")
+    if args.tp < 1:
+        p.error(f"--tp must be >= 1, got {args.tp}")
+    if args.tp > 1:
+        _start_ranks(p, args.tp)
 
     if not args.target and _default_pair_dirs():
         args.target, args.draft = _default_pair_dirs()
         print(f"using the shipped default pair ({DEFAULT_PAIR})")
     if args.target:
-        target, draft, tok = _load_pair(args.target, args.draft)
+        target, draft, tok = _load_pair(args.target, args.draft, args.tp)
         inputs = [tok(x).input_ids for x in prompts]
     else:
         print("NOTE: no --target/--draft given and no default pair shipped yet: using a tiny RANDOMLY INITIALISED "
               "random pair (target + drafter; meaningless tokens, low acceptance; no tokenizer: prompt bytes are "
               "the token ids, token ids are printed).")
         target, draft, tok = _random_pair(args.block_size)
+        if args.tp > 1:  # the same seeded target on every rank, reloaded with the tensor-parallel plan
+            with tempfile.TemporaryDirectory() as d:
+                target.save_pretrained(d)
+                target = _load_split(d)
+            draft = DFlashDraftModel.from_target(target, num_layers=2, block_size=args.block_size, seed=0)
         inputs = [list(x.encode("utf-8")) for x in prompts]
 
     sampling = dict(do_sample=args.temperature > 0)

@@ -1,0 +1,141 @@
+"""One rank of a tensor-parallel run (``test_tensor_parallel.py`` starts one process per rank, torchrun's environment
+set by hand so that a rank that dies is observed, not cleaned up by the launcher). Writes ``<out>/rank<r>.json``.
+
+Modes:
+- ``greedy``: a padded batch through the wrapper over the ``tp_plan`` target, eager (``speculation="auto"``: each
+  rank times its own steps, so ranks must agree on every step's ``K``) then compiled with ``dflash`` (one graph per
+  key, the passes' counters); every row against the single-process ``target.generate``.
+- ``sample``: seeded sampling at a fixed ``K`` against the single-process wrapper with the same seed; unseeded
+  sampling with ``speculation="auto"``, the same on every rank.
+- ``kill``: rank 1 exits mid-generation (``os._exit`` from its streamer); rank 0 reports the error and the seconds
+  it took to get it.
+- ``mismatch``: rank 1 builds its drafter from another seed; the constructor's error.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch._dynamo.utils import counters
+from transformers import AutoModelForCausalLM
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from dflash_compile import DFlashDraftModel, DFlashSpecWrapper  # noqa: E402
+from dflash_compile.distributed import init_distributed  # noqa: E402
+from tiny_models import VOCAB, random_prompts  # noqa: E402
+
+PAD = VOCAB - 2
+NEW = 14
+
+
+def _load(path, tp: bool):
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **({"tp_plan": "auto"} if tp else {}))
+    model.generation_config.eos_token_id = None
+    return model.eval()
+
+
+def _drafter(target, seed=0):
+    n = target.config.get_text_config().num_hidden_layers
+    return DFlashDraftModel.from_target(target, num_layers=2, block_size=4, target_layer_ids=[0, n - 1], seed=seed)
+
+
+def _wrapper(target, seed=0, **kw):
+    return DFlashSpecWrapper(target, _drafter(target, seed), **{**dict(max_batch_size=4, max_seq_len=96, page_size=8),
+                                                              **kw})
+
+
+def _rows(out, prompts):
+    L = out.shape[1] - NEW
+    return [row[L:].tolist() for row in out]
+
+
+def greedy(args, rank):
+    target, single = _load(args.dir, True), _load(args.dir, False)
+    prompts = random_prompts([5, 17, 30], seed=1)
+    ref = [single.generate(torch.tensor([p]), do_sample=False, max_new_tokens=NEW)[0, len(p):].tolist()
+           for p in prompts]
+    result = {"reference": ref}
+    spec = _wrapper(target)  # speculation="auto"
+    out = spec.generate(prompts, max_new_tokens=NEW, pad_token_id=PAD, return_dict_in_generate=True)
+    result["eager"] = _rows(out.sequences, prompts)
+    result["eager_step_ks"] = out.step_ks if hasattr(out, "step_ks") else None
+    spec.close()
+    spec = _wrapper(target, num_speculative_tokens=3)
+    spec.compile("dflash", cache_dir=args.out / f"cache{rank}")
+    counters.clear()
+    out = spec.generate(prompts, max_new_tokens=NEW, pad_token_id=PAD)
+    result["compiled"] = _rows(out, prompts)
+    result["passes"] = dict(counters["dflash"])
+    result["events"] = [(str(k), how) for k, how, _ in spec._steps.events]
+    result["recompiles"] = counters["stats"].get("unique_graphs", 0)
+    return result
+
+
+def sample(args, rank):
+    target, single = _load(args.dir, True), _load(args.dir, False)
+    prompts = random_prompts([6, 11], seed=2)
+    kw = dict(max_new_tokens=NEW, pad_token_id=PAD, do_sample=True, temperature=1.3, top_k=20)
+    # a fixed K: with speculation="auto" the K of each step follows this machine's timings, and so do the uniforms
+    # each step draws (ranks agree with each other, not with another process)
+    seeded = _rows(_wrapper(target, num_speculative_tokens=3).generate(prompts, seed=7, **kw), prompts)
+    reference = _rows(_wrapper(single, num_speculative_tokens=3).generate(prompts, seed=7, **kw), prompts)
+    unseeded = _rows(_wrapper(target).generate(prompts, **kw), prompts)
+    return {"seeded": seeded, "single": reference, "unseeded": unseeded}
+
+
+class _DieAfter:
+    def __init__(self, n):
+        self.n = n
+
+    def put(self, value):
+        self.n -= 1
+        if self.n < 0:
+            os._exit(3)
+
+    def end(self):
+        pass
+
+
+def kill(args, rank):
+    target = _load(args.dir, True)
+    spec = _wrapper(target, num_speculative_tokens=3)
+    streamer = _DieAfter(6) if rank == 1 else None
+    start = time.perf_counter()
+    try:
+        spec.generate(random_prompts([9], seed=3), max_new_tokens=80, streamer=streamer)
+    except Exception as e:  # noqa: BLE001 - the error is the result
+        return {"error": f"{type(e).__name__}: {e}", "seconds": time.perf_counter() - start}
+    return {"error": None, "seconds": time.perf_counter() - start}
+
+
+def mismatch(args, rank):
+    target = _load(args.dir, True)
+    try:
+        _wrapper(target, seed=rank)
+    except ValueError as e:
+        return {"error": str(e)}
+    return {"error": None}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["greedy", "sample", "kill", "mismatch"])
+    parser.add_argument("--dir", required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    rank, _ = init_distributed()
+    result = globals()[args.mode](args, rank)
+    (args.out / f"rank{rank}.json").write_text(json.dumps(result))
+    sys.stdout.flush()
+    if args.mode != "kill":
+        torch.distributed.barrier()
+    os._exit(0)  # a peer that died leaves the process group unable to shut down cleanly
+
+
+if __name__ == "__main__":
+    main()
