@@ -28,7 +28,7 @@ import pickle
 import unittest.mock
 
 import torch
-from torch._dynamo.utils import dynamo_timed
+from torch._dynamo.utils import counters, dynamo_timed
 from torch._inductor import config as inductor_config
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
@@ -209,6 +209,8 @@ def _over_parts(backend):
         fn, flat = subclasses.graph(gm, example_inputs)
         with dynamo_timed("dflash.desugar"), _subclass_ops_traced_through():
             plain = _retrace(fn, flat, dynamic=_is_dynamic(gm, example_inputs))
+        counters["dflash"]["subclass_graphs"] += 1
+        counters["dflash"]["collectives"] += _collectives(plain)
         return _OverParts(_serializable(backend(plain, flat, options)), subclasses)
 
     compile.__name__, compile.__qualname__, compile.__doc__ = backend.__name__, backend.__qualname__, backend.__doc__

@@ -13,9 +13,10 @@ Each is one small all-gather of integers on the host per scheduler iteration (``
 group of its own. Ranks that were given
 different requests are detected from a digest of each admitted request and fail with an error naming the rank.
 
-Faults: collectives on the mesh's group time out after the group's timeout. ``init_distributed`` sets it
-(``DFLASH_TP_TIMEOUT`` seconds, default 60) when it creates the process group; a rank that raises or dies makes the
-others fail within that time with the collective's error, never hang forever.
+Faults: collectives time out after ``DFLASH_TP_TIMEOUT`` seconds (default 60): the scheduler's own group is created
+with it, and ``init_distributed`` gives it to the process group it creates (the target's collectives). A rank that
+raises or dies makes the others fail within that time with the collective's error, never hang forever. A request
+that fails on one rank only (its streamer raised) is cancelled on the others at the next step.
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ class TensorParallel:
         # The driver thread agrees with the other ranks after the last step of a batch too, while the caller's
         # thread may already run collectives of its own on the target's group: a group of its own keeps the two
         # sequences apart (collectives on one group must come in the same order on every rank).
-        host = dist.new_group(dist.get_process_group_ranks(group), backend="gloo")
+        host = dist.new_group(dist.get_process_group_ranks(group), backend="gloo", timeout=collective_timeout())
         return cls(mesh, group, host, dist.get_rank(group), dist.get_world_size(group))
 
     def gather(self, values: list[int]) -> list[list[int]]:

@@ -128,10 +128,33 @@ class DFlashDecoderLayer(nn.Module):
         self.mlp = Qwen3MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.tp_group = None  # split over ranks (``DFlashDraftModel.split``): the partial outputs are summed
 
     def forward(self, h, cos, sin, ctx_k, ctx_v, mask):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, ctx_k, ctx_v, mask)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h = h + self._sum(self.self_attn(self.input_layernorm(h), cos, sin, ctx_k, ctx_v, mask))
+        return h + self._sum(self.mlp(self.post_attention_layernorm(h)))
+
+    def _sum(self, partial: torch.Tensor) -> torch.Tensor:
+        """This rank's heads' (or MLP columns') share of a row-parallel output, summed over the ranks."""
+        if self.tp_group is None:
+            return partial
+        from torch.distributed import _functional_collectives as funcol
+
+        return funcol.all_reduce(partial, "sum", self.tp_group)
+
+
+def _rows(linear: nn.Linear, rank: int, world: int) -> None:
+    """Keep this rank's share of ``linear``'s output features (column-parallel)."""
+    n = linear.out_features // world
+    linear.weight = nn.Parameter(linear.weight.detach()[rank * n:(rank + 1) * n].clone(), requires_grad=False)
+    linear.out_features = n
+
+
+def _columns(linear: nn.Linear, rank: int, world: int) -> None:
+    """Keep this rank's share of ``linear``'s input features (row-parallel)."""
+    n = linear.in_features // world
+    linear.weight = nn.Parameter(linear.weight.detach()[:, rank * n:(rank + 1) * n].clone(), requires_grad=False)
+    linear.in_features = n
 
 
 class DFlashDraftModel(nn.Module):
@@ -162,6 +185,45 @@ class DFlashDraftModel(nn.Module):
         self.rotary_emb = DFlashRotaryEmbedding(config)
         # Borrowed from the target, deliberately not registered as submodules (not in state_dict, not copied).
         self._borrowed: tuple[nn.Module, nn.Module] | None = None
+        self.split_over: tuple[int, int] | None = None  # (rank, world) once ``split``
+
+    # ------------------------------------------------------------------ tensor parallel
+    def split_reason(self, world: int) -> str | None:
+        """Why this drafter cannot be split over ``world`` ranks (a head or MLP count that ``world`` does not
+        divide), or None."""
+        c = self.config
+        sizes = {"num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
+                 "intermediate_size": c.intermediate_size}
+        odd = [f"{k}={v}" for k, v in sizes.items() if v % world]
+        return f"{', '.join(odd)} not divisible by {world} ranks" if odd else None
+
+    def split(self, rank: int, world: int, group) -> "DFlashDraftModel":
+        """Keep this rank's share of every layer, in place, as in Megatron-style tensor parallelism: the query, key and
+        value heads and the MLP's gate/up columns (column-parallel), the output and down projections' matching
+        inputs (row-parallel, their outputs all-reduced over ``group``: two all-reduces per layer). ``fc``, the norms
+        and the rotary embedding stay whole. Every rank must call it with the full weights. Raises ``ValueError``
+        when ``split_reason(world)``."""
+        reason = self.split_reason(world)
+        if reason:
+            raise ValueError(f"the drafter cannot be split: {reason}")
+        if self.split_over is not None:
+            raise RuntimeError(f"the drafter is already split (rank {self.split_over[0]} of {self.split_over[1]})")
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            for linear in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
+                _rows(linear, rank, world)
+            for linear in (attn.o_proj, mlp.down_proj):
+                _columns(linear, rank, world)
+            attn.num_heads //= world
+            attn.num_kv_heads //= world
+            layer.tp_group = group
+        self.split_over = (rank, world)
+        return self
+
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads each layer holds here (this rank's share once ``split``)."""
+        return self.layers[0].self_attn.num_kv_heads
 
     # ------------------------------------------------------------------ target binding
     def bind_target(self, target: nn.Module) -> "DFlashDraftModel":
@@ -210,7 +272,7 @@ class DFlashDraftModel(nn.Module):
         ``ctx [B, S, H]``, ``positions [B, S]`` -> ``k, v [L, B, S, Hkv, D]``.
         """
         cfg = self.config
-        L, Hkv, D = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+        L, Hkv, D = cfg.num_hidden_layers, self.num_kv_heads, cfg.head_dim
         B, S, _ = ctx.shape
         kv = F.linear(ctx, self.stacked_kv_weight())  # [B, S, 2 * L * Hkv * D]
         kv = kv.view(B, S, 2, L, Hkv, D).permute(2, 3, 0, 1, 4, 5)  # [2, L, B, S, Hkv, D]
@@ -449,6 +511,9 @@ class DFlashDraftModel(nn.Module):
         ``AutoModel.from_pretrained`` loads for ``generate(assistant_model=..., speculation_type="dflash")``."""
         from safetensors.torch import save_file
 
+        if self.split_over is not None:
+            raise ValueError(f"this drafter is split over {self.split_over[1]} ranks and holds one rank's share of "
+                             f"each layer: save the drafter before a tensor-parallel wrapper splits it")
         if format not in ("dflash", "transformers"):
             raise ValueError(f"unknown checkpoint format {format!r}: expected 'dflash' or 'transformers'")
         names = {}  # our weight name -> the checkpoint's

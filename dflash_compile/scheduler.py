@@ -406,6 +406,9 @@ class Scheduler:
         for i in range(first + len(new) - 1, first - 1, -1):
             r = batch.rows[i]
             if self._emit(r, first_tokens[i - first]):
+                if spec.tp is not None and r.error is not None and r.finish_reason is None:
+                    r.cancelled = True  # failed here only: it leaves every rank at the next agreement
+                    continue
                 batch.remove(i)
                 self._finish(r)
 
@@ -478,6 +481,7 @@ class Scheduler:
             accepted.append((row.index(-1) - 1 if -1 in row else K) if K > 0 else None)
         spec.policy.observe(view, K, plan.propose, seconds, accepted, agreed[: len(rows)])
         tokens = token_list
+        tp = spec.tp is not None
         for i in range(len(rows) - 1, -1, -1):  # backwards: a finished row is replaced by the last one
             r, row = rows[i], tokens[i]
             a = accepted[i] or 0
@@ -485,10 +489,12 @@ class Scheduler:
             if verified is not None:
                 r.drafts.append(verified[i])
             r.seq_len += a + 1
-            for t in row[: a + 1]:
+            for t in row[: a + 1] if r.error is None else ():
                 if self._emit(r, t):
                     break
-            if r.finish_reason is not None or r.error is not None:
+            if tp and r.error is not None and r.finish_reason is None:
+                r.cancelled = True  # failed here only (its streamer): it leaves every rank at the next agreement
+            elif r.finish_reason is not None or r.error is not None:
                 batch.remove(i)
                 self._finish(r)
 

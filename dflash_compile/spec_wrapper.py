@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import inspect
 import json
+import logging
 import numbers
 from pathlib import Path
 from typing import NamedTuple
@@ -32,6 +33,7 @@ from .rejection import greedy_accept, process_logits, sample_from, speculative_a
 from .scheduler import Scheduler, request_generators
 from .speculation import BatchSizeSchedule, FixedK, GoodputPolicy, SpeculationPolicy, default_ks
 
+log = logging.getLogger(__name__)
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16)
 _MASKABLE = ("sdpa", "eager")
 
@@ -238,6 +240,21 @@ class DFlashSpecWrapper(nn.Module):
         self.scheduler = Scheduler(self)
         if self.tp is not None:
             self.tp.check_same("target, drafter and wrapper configuration", self._identity())
+            self._split_drafter()
+
+    def _split_drafter(self) -> None:
+        """Split the drafter over the target's ranks (heads and MLP, ``DFlashDraftModel.split``), or keep it whole
+        on every rank where its sizes do not divide (said in the log)."""
+        tp, draft = self.tp, self.draft
+        if draft.split_over == (tp.rank, tp.world):
+            return
+        if draft.split_over is not None:
+            raise ValueError(f"the drafter is split over {draft.split_over[1]} ranks, the target over {tp.world}")
+        reason = draft.split_reason(tp.world)
+        if reason:
+            log.warning("dflash: the drafter is replicated on each of the %d ranks (%s)", tp.world, reason)
+            return
+        draft.split(tp.rank, tp.world, tp.group)
 
     def _identity(self) -> str:
         """What must be the same on every rank of a tensor-parallel target: both configs, the drafter's weights (a
@@ -605,7 +622,7 @@ class DFlashSpecWrapper(nn.Module):
             max_seq_len=self.max_seq_len,
             page_size=self.page_size,
             target_layout=layout,
-            draft_shape=(dcfg.num_hidden_layers, dcfg.num_key_value_heads, dcfg.head_dim),
+            draft_shape=(dcfg.num_hidden_layers, self.draft.num_kv_heads, dcfg.head_dim),
             dtype=p.dtype,
             num_blocks=num_blocks,
         )

@@ -5,6 +5,7 @@ import sys
 import textwrap
 from collections import Counter
 
+import expecttest
 import torch
 
 from dflash_compile import DFlashDraftModel, DFlashSpecWrapper
@@ -77,3 +78,46 @@ def test_step_after_passes_keeps_only_dflash_ops_for_the_hot_patterns():
     gone = ("scaled_dot_product", "index_put", "aten.index.", "_unsafe_index")
     left = sorted(k for k in census if any(g in k for g in gone))
     assert not left, left
+
+
+def test_tensor_subclass_inputs_compile_over_their_plain_parts():
+    """A graph whose inputs are tensor subclasses (a tensor-parallel target's DTensor parameters; here torch's
+    ``TwoTensor``, whose ops apply to both of its parts) is retraced over the parts: the graph holds only plain
+    tensors, ops on the subclass traced through its own dispatch, and the compiled function, called with the
+    subclass, computes what eager does."""
+    import torch.nn.functional as F
+    from torch._dynamo.utils import counters
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    from dflash_compile import backends
+
+    def f(x, w, idx):
+        y = F.linear(x, w)
+        e = F.embedding(idx, w)
+        return y.a + y.b, (e.a * e.b).sum(-1)
+
+    w = TwoTensor(torch.randn(3, 4), torch.randn(3, 4))
+    x, idx = torch.randn(2, 4), torch.tensor([0, 2])
+    sub = backends.Subclasses.of([x, w, idx])
+    assert sub.paths == [[()], [("a",), ("b",)], [()]]
+    fn, flat = sub.graph(torch.fx.symbolic_trace(f), [x, w, idx])
+    with backends._subclass_ops_traced_through():
+        plain = backends._retrace(fn, flat)
+    expecttest.TestCase().assertExpectedInline(plain.code.strip(), """\
+def forward(self, arg0_1, arg1_1, arg2_1, arg3_1):
+    t = torch.ops.aten.t.default(arg1_1)
+    t_1 = torch.ops.aten.t.default(arg2_1)
+    mm = torch.ops.aten.mm.default(arg0_1, t);  t = None
+    mm_1 = torch.ops.aten.mm.default(arg0_1, t_1);  arg0_1 = t_1 = None
+    embedding = torch.ops.aten.embedding.default(arg1_1, arg3_1);  arg1_1 = None
+    embedding_1 = torch.ops.aten.embedding.default(arg2_1, arg3_1);  arg2_1 = arg3_1 = None
+    add = torch.ops.aten.add.Tensor(mm, mm_1);  mm = mm_1 = None
+    mul = torch.ops.aten.mul.Tensor(embedding, embedding_1);  embedding = embedding_1 = None
+    sum_1 = torch.ops.aten.sum.dim_IntList(mul, [-1]);  mul = None
+    return (add, sum_1)""")
+    counters.clear()
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend="dflash", fullgraph=True)
+    for got, want in zip(compiled(x, w, idx), f(x, w, idx)):
+        torch.testing.assert_close(got, want)
+    assert counters["dflash"]["subclass_graphs"] == 1 and counters["dflash"]["collectives"] == 0

@@ -3,7 +3,8 @@
 A tiny target is saved and loaded back on each rank with ``from_pretrained(..., tp_plan="auto")`` (DTensor
 weights, transformers' own plan); each rank runs the same wrapper. Greedy output must equal the single-process
 ``target.generate`` for a dense GQA target, an MoE one and a hybrid linear-attention one, eager and compiled with
-``dflash`` (the DFlash passes firing on each rank's local shards); seeded sampling equals the single-process
+``dflash`` (the DFlash passes firing on each rank's local shards), and the drafter, split over the ranks like the
+target, proposes the single-process drafter's drafts; seeded sampling equals the single-process
 wrapper's; a rank that dies makes the other fail within the collective timeout; ranks with different drafters are
 refused before any work.
 """
@@ -74,7 +75,7 @@ def _run(tmp_path, kind: str, mode: str, world: int = 2, deadline: float = 600) 
         results.append(json.loads(f.read_text()) if f.exists() else None)
         if f.exists():
             f.unlink()
-    if mode != "kill":
+    if mode not in ("kill", "stall"):
         assert all(results), "\n\n".join(log[-3000:] for log in logs)
     return results
 
@@ -91,6 +92,14 @@ def test_greedy_identity_eager_and_compiled(tmp_path, kind):
         assert res["passes"].get("paged_kv_write", 0) >= 1, res
         keys = [k for k, _ in res["events"]]
         assert len(keys) == len(set(keys)), f"rank {r} compiled a key twice: {keys}"
+        # collectives per step graph: two all-reduces per layer (attention and MLP outputs) for the target's layers
+        # and the drafter's 2 layers, one all-reduce for each embedding lookup (vocabulary-parallel) and one
+        # all-gather for each LM head (column-parallel), target's and drafter's
+        graphs = res["passes"]["subclass_graphs"]
+        assert graphs == len(keys)
+        assert res["passes"]["collectives"] == graphs * (2 * res["target_layers"] + 2 + 2 * 2 + 2), res["passes"]
+        assert res["split"] == [r, 2]  # heads and MLP split: 4 heads, 2 KV heads, 128 MLP columns over 2 ranks
+        assert res["drafts"] == res["single_drafts"], f"rank {r}: the split drafter proposed other drafts"
     assert ranks[0]["eager_step_ks"] == ranks[1]["eager_step_ks"]  # rank 0's choice of K, every step
 
 
@@ -108,6 +117,26 @@ def test_a_dead_rank_fails_the_others_within_the_timeout(tmp_path):
     assert ranks[0] is not None and ranks[0]["error"], ranks[0]
     assert ranks[0]["seconds"] < TIMEOUT_S + 10, ranks[0]
     assert time.perf_counter() - start < TIMEOUT_S + 120
+
+
+def test_a_stalled_rank_fails_the_others_at_the_timeout(tmp_path):
+    ranks = _run(tmp_path, "dense", "stall", deadline=4 * TIMEOUT_S + 120)
+    assert ranks[0] is not None and ranks[0]["error"], ranks[0]
+    assert TIMEOUT_S * 0.8 < ranks[0]["seconds"] < TIMEOUT_S + 15, ranks[0]
+
+
+def test_a_request_failing_on_one_rank_is_cancelled_on_the_others(tmp_path):
+    ranks = _run(tmp_path, "dense", "streamer_raises")
+    assert ranks[1]["first"] == {"error": "the caller's streamer failed"}
+    assert ranks[0]["first"]["finish"] == "cancelled" and ranks[0]["first"]["tokens"] < 40, ranks[0]
+    assert ranks[0]["then_identical"] and ranks[1]["then_identical"]
+
+
+def test_a_drafter_that_does_not_divide_is_replicated(tmp_path):
+    ranks = _run(tmp_path, "dense", "odd_heads")
+    for res in ranks:
+        assert res["split"] is None and res["identical"], res
+        assert "replicated" in res["log"] and "num_attention_heads=3" in res["log"], res
 
 
 def test_ranks_with_different_drafters_are_refused(tmp_path):

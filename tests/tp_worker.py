@@ -4,11 +4,15 @@ set by hand so that a rank that dies is observed, not cleaned up by the launcher
 Modes:
 - ``greedy``: a padded batch through the wrapper over the ``tp_plan`` target, eager (``speculation="auto"``: each
   rank times its own steps, so ranks must agree on every step's ``K``) then compiled with ``dflash`` (one graph per
-  key, the passes' counters); every row against the single-process ``target.generate``.
+  key, the passes' counters); every row against the single-process ``target.generate``; the split drafter's
+  drafts, every step, against the whole drafter's in a single process.
 - ``sample``: seeded sampling at a fixed ``K`` against the single-process wrapper with the same seed; unseeded
   sampling with ``speculation="auto"``, the same on every rank.
 - ``kill``: rank 1 exits mid-generation (``os._exit`` from its streamer); rank 0 reports the error and the seconds
   it took to get it.
+- ``stall``: rank 1 stops stepping but stays alive; rank 0 reports the error of the timed-out collective.
+- ``streamer_raises``: rank 1's streamer raises; the request fails there and is cancelled on rank 0; both go on.
+- ``odd_heads``: a drafter whose heads 2 ranks do not divide: replicated, said in the log, lossless.
 - ``mismatch``: rank 1 builds its drafter from another seed; the constructor's error.
 """
 
@@ -71,8 +75,17 @@ def greedy(args, rank):
     out = spec.generate(prompts, max_new_tokens=NEW, pad_token_id=PAD)
     result["compiled"] = _rows(out, prompts)
     result["passes"] = dict(counters["dflash"])
+    result["target_layers"] = target.config.get_text_config().num_hidden_layers
     result["events"] = [(str(k), how) for k, how, _ in spec._steps.events]
-    result["recompiles"] = counters["stats"].get("unique_graphs", 0)
+    result["split"] = spec.draft.split_over
+    # the split drafter proposes what the whole one does in a single process (greedy drafts are exact up to the
+    # rounding of the all-reduced partial sums: the random tiny models here have no near ties)
+    out = spec.generate(prompts, max_new_tokens=NEW, pad_token_id=PAD, output_drafts=True,
+                        return_dict_in_generate=True)
+    result["drafts"] = out.drafts
+    single_spec = _wrapper(single, num_speculative_tokens=3)
+    result["single_drafts"] = single_spec.generate(prompts, max_new_tokens=NEW, pad_token_id=PAD, output_drafts=True,
+                                                   return_dict_in_generate=True).drafts
     return result
 
 
@@ -113,6 +126,67 @@ def kill(args, rank):
     return {"error": None, "seconds": time.perf_counter() - start}
 
 
+def odd_heads(args, rank):
+    """A drafter with 3 heads (and 1 KV head) over 2 ranks: kept whole on each, said in the log; still lossless."""
+    import logging
+
+    target, single = _load(args.dir, True), _load(args.dir, False)
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("dflash_compile.spec_wrapper").addHandler(handler)
+    n = target.config.get_text_config().num_hidden_layers
+    draft = DFlashDraftModel.from_target(target, num_layers=1, block_size=4, target_layer_ids=[0, n - 1], seed=0,
+                                         num_attention_heads=3, num_key_value_heads=1, head_dim=16)
+    spec = DFlashSpecWrapper(target, draft, 3, max_batch_size=2, max_seq_len=96, page_size=8)
+    prompts = random_prompts([7], seed=4)
+    out = _rows(spec.generate(prompts, max_new_tokens=NEW), prompts)
+    ref = single.generate(torch.tensor(prompts), do_sample=False, max_new_tokens=NEW)[0, 7:].tolist()
+    return {"split": spec.draft.split_over, "identical": out == [ref], "log": " ".join(records)}
+
+
+class _Raise(_DieAfter):
+    def put(self, value):
+        self.n -= 1
+        if self.n < 0:
+            raise RuntimeError("the caller's streamer failed")
+
+
+class _Stall(_DieAfter):
+    def put(self, value):
+        self.n -= 1
+        if self.n == 0:
+            time.sleep(float(os.environ["DFLASH_TP_TIMEOUT"]) * 2)
+
+
+def streamer_raises(args, rank):
+    """Rank 1's streamer raises after 4 tokens: the request fails there with that error and is cancelled on rank 0
+    at the next step; then both ranks go on, in step, with a new request."""
+    target, single = _load(args.dir, True), _load(args.dir, False)
+    spec = _wrapper(target, num_speculative_tokens=3)
+    prompt = random_prompts([9], seed=3)
+    handle = spec.submit(prompt[0], max_new_tokens=40, streamer=_Raise(4) if rank == 1 else None)
+    try:
+        first = {"finish": handle.result().finish_reason, "tokens": len(handle.result().tokens)}
+    except RuntimeError as e:
+        first = {"error": str(e)}
+    out = _rows(spec.generate(prompt, max_new_tokens=NEW), prompt)
+    ref = single.generate(torch.tensor(prompt), do_sample=False, max_new_tokens=NEW)[0, 9:].tolist()
+    return {"first": first, "then_identical": out == [ref]}
+
+
+def stall(args, rank):
+    """Rank 1 stops stepping (its streamer sleeps two timeouts): rank 0 fails when the collective times out."""
+    target = _load(args.dir, True)
+    spec = _wrapper(target, num_speculative_tokens=3)
+    start = time.perf_counter()
+    try:
+        spec.generate(random_prompts([9], seed=3), max_new_tokens=80, streamer=_Stall(3) if rank == 1 else None)
+    except Exception as e:  # noqa: BLE001 - the error is the result
+        return {"error": f"{type(e).__name__}: {e}", "seconds": time.perf_counter() - start}
+    return {"error": None, "seconds": time.perf_counter() - start}
+
+
 def mismatch(args, rank):
     target = _load(args.dir, True)
     try:
@@ -124,7 +198,8 @@ def mismatch(args, rank):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["greedy", "sample", "kill", "mismatch"])
+    parser.add_argument("mode", choices=["greedy", "sample", "kill", "stall", "streamer_raises", "mismatch",
+                                         "odd_heads"])
     parser.add_argument("--dir", required=True)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
@@ -132,7 +207,7 @@ def main():
     result = globals()[args.mode](args, rank)
     (args.out / f"rank{rank}.json").write_text(json.dumps(result))
     sys.stdout.flush()
-    if args.mode != "kill":
+    if args.mode not in ("kill", "stall"):
         torch.distributed.barrier()
     os._exit(0)  # a peer that died leaves the process group unable to shut down cleanly
 
