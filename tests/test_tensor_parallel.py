@@ -128,7 +128,7 @@ def test_a_stalled_rank_fails_the_others_at_the_timeout(tmp_path):
 def test_a_request_failing_on_one_rank_is_cancelled_on_the_others(tmp_path):
     ranks = _run(tmp_path, "dense", "streamer_raises")
     assert ranks[1]["first"] == {"error": "the caller's streamer failed"}
-    assert ranks[0]["first"]["finish"] == "cancelled" and ranks[0]["first"]["tokens"] < 40, ranks[0]
+    assert ranks[0]["first"] == {"cancelled": True}, ranks[0]
     assert ranks[0]["then_identical"] and ranks[1]["then_identical"]
 
 

@@ -21,6 +21,7 @@ import json
 import os
 import sys
 import time
+from concurrent.futures import CancelledError
 from pathlib import Path
 
 import torch
@@ -167,7 +168,9 @@ def streamer_raises(args, rank):
     prompt = random_prompts([9], seed=3)
     handle = spec.submit(prompt[0], max_new_tokens=40, streamer=_Raise(4) if rank == 1 else None)
     try:
-        first = {"finish": handle.result().finish_reason, "tokens": len(handle.result().tokens)}
+        first = {"finish": handle.result().finish_reason}
+    except CancelledError:
+        first = {"cancelled": True}
     except RuntimeError as e:
         first = {"error": str(e)}
     out = _rows(spec.generate(prompt, max_new_tokens=NEW), prompt)
