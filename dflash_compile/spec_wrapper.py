@@ -75,6 +75,16 @@ def validate_pair(target: nn.Module, draft: DFlashDraftModel, num_speculative_to
         raise ValueError(f"device mismatch: drafter on {dp.device}, target on {tp.device}")
 
 
+def _check_heads_divide(tcfg, world: int) -> None:
+    """A tensor-parallel target's attention and KV heads must split evenly over its ``world`` ranks."""
+    heads = {"num_attention_heads": tcfg.num_attention_heads,
+             "num_key_value_heads": getattr(tcfg, "num_key_value_heads", None) or tcfg.num_attention_heads}
+    odd = [f"{k}={v}" for k, v in heads.items() if v % world]
+    if odd:
+        raise ValueError(f"the target's {', '.join(odd)} do not divide over its {world} tensor-parallel ranks: each "
+                         f"rank must hold whole heads, the same number on every rank")
+
+
 def _policy(speculation, num_speculative_tokens: int | None, block_size: int) -> SpeculationPolicy:
     """The constructor's ``speculation`` argument -> a policy (see ``DFlashSpecWrapper``)."""
     K = num_speculative_tokens
@@ -239,6 +249,7 @@ class DFlashSpecWrapper(nn.Module):
         self._steps = None  # CompiledSteps once compile() is called
         self.scheduler = Scheduler(self)
         if self.tp is not None:
+            _check_heads_divide(tcfg, self.tp.world)
             self.tp.check_same("target, drafter and wrapper configuration", self._identity())
             self._split_drafter()
 

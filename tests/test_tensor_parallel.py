@@ -40,7 +40,8 @@ def _moe():
         return transformers.Qwen3MoeForCausalLM(config).eval()
 
 
-TARGETS = {"dense": lambda: tiny_target("qwen3"), "moe": _moe, "hybrid": lambda: tiny_target("qwen3_5")}
+TARGETS = {"dense": lambda: tiny_target("qwen3"), "moe": _moe, "hybrid": lambda: tiny_target("qwen3_5"),
+           "one_kv_head": lambda: tiny_target("qwen3", num_key_value_heads=1)}
 
 
 def _port() -> int:
@@ -80,7 +81,7 @@ def _run(tmp_path, kind: str, mode: str, world: int = 2, deadline: float = 600) 
     return results
 
 
-@pytest.mark.parametrize("kind", list(TARGETS))
+@pytest.mark.parametrize("kind", ["dense", "moe", "hybrid"])
 def test_greedy_identity_eager_and_compiled(tmp_path, kind):
     ranks = _run(tmp_path, kind, "greedy")
     for r, res in enumerate(ranks):
@@ -137,6 +138,11 @@ def test_a_drafter_that_does_not_divide_is_replicated(tmp_path):
     for res in ranks:
         assert res["split"] is None and res["identical"], res
         assert "replicated" in res["log"] and "num_attention_heads=3" in res["log"], res
+
+
+def test_a_target_whose_heads_do_not_divide_is_refused(tmp_path):
+    for res in _run(tmp_path, "one_kv_head", "odd_target"):
+        assert res["error"] and "num_key_value_heads=1 do not divide over its 2 tensor-parallel ranks" in res["error"]
 
 
 def test_ranks_with_different_drafters_are_refused(tmp_path):

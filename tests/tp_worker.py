@@ -13,6 +13,7 @@ Modes:
 - ``stall``: rank 1 stops stepping but stays alive; rank 0 reports the error of the timed-out collective.
 - ``streamer_raises``: rank 1's streamer raises; the request fails there and is cancelled on rank 0; both go on.
 - ``odd_heads``: a drafter whose heads 2 ranks do not divide: replicated, said in the log, lossless.
+- ``odd_target``: a target whose KV heads 2 ranks do not divide: the constructor's error.
 - ``mismatch``: rank 1 builds its drafter from another seed; the constructor's error.
 """
 
@@ -190,6 +191,16 @@ def stall(args, rank):
     return {"error": None, "seconds": time.perf_counter() - start}
 
 
+def odd_target(args, rank):
+    """A target with one KV head over 2 ranks: refused before any work."""
+    target = _load(args.dir, True)
+    try:
+        _wrapper(target)
+    except ValueError as e:
+        return {"error": str(e)}
+    return {"error": None}
+
+
 def mismatch(args, rank):
     target = _load(args.dir, True)
     try:
@@ -202,7 +213,7 @@ def mismatch(args, rank):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("mode", choices=["greedy", "sample", "kill", "stall", "streamer_raises", "mismatch",
-                                         "odd_heads"])
+                                         "odd_heads", "odd_target"])
     parser.add_argument("--dir", required=True)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
