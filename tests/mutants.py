@@ -122,6 +122,10 @@ MUTANTS = (
            (("draft.block_size, cfg.sliding_window if kind", "draft.block_size, None if kind"),),
            ("tests/test_training.py::test_training_blocks_match_inference_forward[sliding]",),
            "drafter training lets a sliding-attention layer see past its window (inference does not)"),
+    Mutant("tp_drafter_partial_sums_not_reduced", "dflash_compile/draft_model.py",
+           (("        return funcol.all_reduce(partial, \"sum\", self.tp_group)", "        return partial"),),
+           ("tests/test_tensor_parallel.py::test_greedy_identity_eager_and_compiled[dense]",),
+           "a drafter split over tensor-parallel ranks adds only its own heads' share of each layer's output"),
 )
 
 

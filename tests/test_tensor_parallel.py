@@ -93,14 +93,14 @@ def test_greedy_identity_eager_and_compiled(tmp_path, kind):
         assert res["passes"].get("paged_kv_write", 0) >= 1, res
         keys = [k for k, _ in res["events"]]
         assert len(keys) == len(set(keys)), f"rank {r} compiled a key twice: {keys}"
+        assert res["split"] == [r, 2]  # heads and MLP split: 4 heads, 2 KV heads, 128 MLP columns over 2 ranks
+        assert res["drafts"] == res["single_drafts"], f"rank {r}: the split drafter proposed other drafts"
         # collectives per step graph: two all-reduces per layer (attention and MLP outputs) for the target's layers
         # and the drafter's 2 layers, one all-reduce for each embedding lookup (vocabulary-parallel) and one
         # all-gather for each LM head (column-parallel), target's and drafter's
         graphs = res["passes"]["subclass_graphs"]
         assert graphs == len(keys)
         assert res["passes"]["collectives"] == graphs * (2 * res["target_layers"] + 2 + 2 * 2 + 2), res["passes"]
-        assert res["split"] == [r, 2]  # heads and MLP split: 4 heads, 2 KV heads, 128 MLP columns over 2 ranks
-        assert res["drafts"] == res["single_drafts"], f"rank {r}: the split drafter proposed other drafts"
     assert ranks[0]["eager_step_ks"] == ranks[1]["eager_step_ks"]  # rank 0's choice of K, every step
 
 
