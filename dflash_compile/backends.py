@@ -211,7 +211,10 @@ def _over_parts(backend):
             plain = _retrace(fn, flat, dynamic=_is_dynamic(gm, example_inputs))
         counters["dflash"]["subclass_graphs"] += 1
         counters["dflash"]["collectives"] += _collectives(plain)
-        return _OverParts(_serializable(backend(plain, flat, options)), subclasses)
+        compiled = _serializable(backend(plain, flat, options))
+        if isinstance(compiled, torch._dynamo.aot_compile_types.SerializableCallable):
+            return _OverParts(compiled, subclasses)
+        return lambda *args: compiled(*subclasses.flatten(args))  # a backend result torch cannot save
 
     compile.__name__, compile.__qualname__, compile.__doc__ = backend.__name__, backend.__qualname__, backend.__doc__
     return compile
