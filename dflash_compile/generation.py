@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -119,48 +121,121 @@ class GenerationArgs:
     output_drafts: bool = False  # record each step's verified drafts (one more host read per step)
 
 
-_KNOWN_KWARGS = {
-    "max_new_tokens", "max_length", "eos_token_id", "pad_token_id", "use_cache", "num_beams",
-    "num_return_sequences", "temperature", "top_k", "top_p", "stop_strings",
+# How ``resolve_generation_args`` treats each field of HF's ``GenerationConfig`` (as a kwarg or in a config):
+# resolved with HF's semantics (_RESOLVED); no effect on the tokens of a decoder-only greedy or sampled search with
+# one beam (_NO_EFFECT); refused while active (_REFUSED: active unless one of the listed no-op values;
+# _SAMPLING_ONLY: the same, only with do_sample=True, since HF applies those warpers only when sampling). A field in
+# none of them (one a later transformers adds) is refused unless unset: an error, never a silent difference.
+_RESOLVED = {
+    "max_new_tokens", "max_length", "min_new_tokens", "min_length", "eos_token_id", "pad_token_id", "do_sample",
+    "temperature", "top_k", "top_p", "stop_strings", "num_beams", "num_return_sequences", "cache_implementation",
 }
-# Logits processors HF would apply (greedy or not) that DFlash does not: a generation_config that sets one is an
-# error rather than a silently different output.
-_UNSUPPORTED_CONFIG = {
-    "repetition_penalty": (None, 1.0), "encoder_repetition_penalty": (None, 1.0), "no_repeat_ngram_size": (None, 0),
-    "min_p": (None,), "typical_p": (None, 1.0), "epsilon_cutoff": (None, 0.0), "eta_cutoff": (None, 0.0),
-    "min_length": (None, 0), "min_new_tokens": (None, 0), "bad_words_ids": (None,), "force_words_ids": (None,),
-    "suppress_tokens": (None,), "begin_suppress_tokens": (None,), "sequence_bias": (None,),
-    "guidance_scale": (None, 1.0), "forced_bos_token_id": (None,), "forced_eos_token_id": (None,),
+_NO_EFFECT = {
+    "bos_token_id", "decoder_start_token_id", "use_cache", "cache_config", "max_cache_len", "compile_config",
+    "disable_compile", "prefill_chunk_size", "return_dict_in_generate", "transformers_version", "_from_model_config",
+    "is_assistant", "num_beam_groups", "diversity_penalty", "length_penalty", "early_stopping", "low_memory",
+    "renormalize_logits", "num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold",
+    "assistant_lookbehind", "target_lookbehind", "max_matching_ngram_size", "assistant_ensemble_weight",
+    "speculation_type", "continuous_batching_config",
 }
-# HF's defaults for fields a generation config leaves unset (GenerationConfig._get_default_generation_params).
-_HF_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}
+_REFUSED = {  # logits processors, other search modes, extra outputs
+    "repetition_penalty": (1.0,), "encoder_repetition_penalty": (1.0,), "no_repeat_ngram_size": (0,),
+    "encoder_no_repeat_ngram_size": (0,), "bad_words_ids": (), "force_words_ids": (), "constraints": (),
+    "suppress_tokens": (), "begin_suppress_tokens": (), "sequence_bias": (), "guidance_scale": (1.0,),
+    "forced_bos_token_id": (), "forced_eos_token_id": (), "exponential_decay_length_penalty": (),
+    "remove_invalid_values": (False,), "watermarking_config": (), "token_healing": (False,), "max_time": (),
+    "penalty_alpha": (0.0,), "prompt_lookup_num_tokens": (), "assistant_early_exit": (), "use_mtp": (False,),
+    "dola_layers": (), "output_scores": (False,), "output_logits": (False,), "output_attentions": (False,),
+    "output_hidden_states": (False,),
+}
+_SAMPLING_ONLY = {"min_p": (0.0,), "typical_p": (1.0,), "top_h": (), "epsilon_cutoff": (0.0,), "eta_cutoff": (0.0,)}
+# generate() arguments HF takes besides the config fields: refused unless a no-op value; the last two have no effect.
+_HF_CALL_ARGS = {
+    "logits_processor": ([],), "stopping_criteria": ([],), "prefix_allowed_tokens_fn": (), "assistant_model": (),
+    "assistant_tokenizer": (), "negative_prompt_ids": (), "negative_prompt_attention_mask": (), "custom_generate": (),
+}
+_HF_CALL_ARGS_NO_EFFECT = {"synced_gpus", "trust_remote_code"}
+# HF's defaults for fields that nothing sets (GenerationConfig._get_default_generation_params).
+_HF_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0, "num_beams": 1, "num_return_sequences": 1}
+_HF_DEFAULT_NEW_TOKENS = 20  # HF's default max_length, counted from the prompt when no length is set anywhere
+# generate()'s own parameters default to None: there, None means "not given" (see resolve_generation_args).
+WRAPPER_NONE_DEFAULTS = ("max_new_tokens", "eos_token_id", "pad_token_id")
 
 
-def resolve_generation_args(target, prompt_len: int, kwargs: dict[str, Any]) -> GenerationArgs:
-    """HF semantics: explicit kwargs override ``generation_config`` (argument or the target's); with
-    ``do_sample=False`` temperature, top-k and top-p are ignored. Every invalid value is an error here, before
-    any model work."""
-    kwargs = dict(kwargs)
-    gen_config = kwargs.pop("generation_config", None) or getattr(target, "generation_config", None)
-    for name in ("num_beams", "num_return_sequences"):
-        value = kwargs.get(name)
-        if value not in (None, 1):
-            raise ValueError(f"{name}={value} is not supported by speculative decoding (only 1)")
-    unknown = sorted(set(kwargs) - _KNOWN_KWARGS - {"do_sample"})
+@functools.cache
+def _config_fields() -> frozenset[str]:
+    from transformers import GenerationConfig
+
+    return frozenset(GenerationConfig().to_dict())
+
+
+def _is_off(value, no_ops) -> bool:
+    return value is None or any(value == x for x in no_ops)
+
+
+def resolve_generation_args(target, prompt_len: int, kwargs: dict[str, Any], *,
+                            unset_if_none: tuple[str, ...] = WRAPPER_NONE_DEFAULTS) -> GenerationArgs:
+    """HF ``generate``'s semantics, before any model work.
+
+    Priority as in HF: an argument given in ``kwargs`` (an explicit ``None`` included: ``eos_token_id=None`` never
+    stops on eos, ``top_k=None`` disables top-k), then ``generation_config=`` (the argument), then
+    ``target.generation_config``, each config's unset (None) fields falling through to the next, then HF's global
+    defaults (20 new tokens, ``top_k=50``). ``prompt_len`` is the (left-padded) prompt width, which HF's length
+    arguments count. ``kwargs[name] is None`` for a name in ``unset_if_none`` means "not given" (a caller whose
+    signature defaults those to None); pass ``()`` when ``kwargs`` holds only what the caller gave.
+
+    Every argument either gives HF's tokens or is an error naming it: ``ValueError`` for a value DFlash does not
+    support (a logits processor, beam search, ``min_new_tokens`` with an eos, ...), ``TypeError`` for a name that is
+    not a ``generate`` argument. With ``do_sample=False`` temperature, top-k, top-p (and the other sampling
+    warpers) are ignored, as HF does."""
+    kwargs = {k: v for k, v in kwargs.items() if not (v is None and k in unset_if_none)}
+    sources = [(c, where) for c, where in ((kwargs.pop("generation_config", None), "generation_config"),
+                                           (getattr(target, "generation_config", None), "target.generation_config"))
+               if c is not None]
+    configs = [c for c, _ in sources]
+    fields = _config_fields()
+    unknown = sorted(set(kwargs) - fields - set(_HF_CALL_ARGS) - _HF_CALL_ARGS_NO_EFFECT)
     if unknown:
-        raise TypeError(f"generate() got unsupported arguments {unknown}")
-    active = {n: getattr(gen_config, n) for n, off in _UNSUPPORTED_CONFIG.items() if getattr(gen_config, n, None) not in off}
-    if active:
-        raise ValueError(f"generation_config sets {active}, which DFlash generation does not support")
+        raise TypeError(f"generate() got unsupported arguments {unknown} (not HF generation arguments)")
+    for name, no_ops in _HF_CALL_ARGS.items():
+        if name in kwargs and not _is_off(kwargs[name], no_ops):
+            raise ValueError(f"{name}= is not supported by DFlash generation")
 
-    def pick(name, value=None):
-        return value if value is not None else getattr(gen_config, name, None)
+    def value(name):
+        if name in kwargs:
+            return kwargs[name], "argument"
+        for c, where in sources:
+            v = getattr(c, name, None)
+            if v is not None:
+                return v, where
+        return _HF_DEFAULTS.get(name), "default"
 
-    do_sample = bool(pick("do_sample", kwargs.get("do_sample")))
-    temperature, top_k, top_p = (
-        pick(n, kwargs.get(n)) if pick(n, kwargs.get(n)) is not None else _HF_DEFAULTS[n] for n in _HF_DEFAULTS
-    )
-    if top_k is not None and (isinstance(top_k, bool) or int(top_k) != top_k or top_k < 0):
+    def get(name):
+        return value(name)[0]
+
+    def refuse(name, why="DFlash generation does not support it"):
+        v, where = value(name)
+        origin = "" if where == "argument" else f" (from {where}; an argument {name}=... overrides it)"
+        raise ValueError(f"{name}={v!r}{origin}: {why}")
+
+    do_sample = bool(get("do_sample"))
+    for name in sorted(fields - _RESOLVED - _NO_EFFECT):
+        no_ops = _REFUSED.get(name, _SAMPLING_ONLY.get(name, ()))
+        if name in _SAMPLING_ONLY and not do_sample:
+            continue
+        if not _is_off(get(name), no_ops):
+            refuse(name)
+    for name in ("num_beams", "num_return_sequences"):
+        if get(name) != 1:
+            refuse(name, "speculative decoding produces one sequence per prompt (only 1)")
+    if get("cache_implementation") in ("paged", "quantized"):
+        refuse("cache_implementation", "HF's paged (continuous batching) and quantized caches are not DFlash's")
+
+    temperature, top_k, top_p = (get(n) for n in ("temperature", "top_k", "top_p"))
+    temperature = 1.0 if temperature is None else temperature  # an explicit None: that warper is off (HF)
+    top_k = 0 if top_k is None else top_k
+    top_p = 1.0 if top_p is None else top_p
+    if isinstance(top_k, bool) or int(top_k) != top_k or top_k < 0:
         raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {top_k}")
     if not 0 < float(top_p) <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
@@ -169,18 +244,21 @@ def resolve_generation_args(target, prompt_len: int, kwargs: dict[str, Any]) -> 
             f"temperature must be > 0 with do_sample=True, got {temperature} (use do_sample=False for greedy)"
         )
 
-    max_new = pick("max_new_tokens", kwargs.get("max_new_tokens"))
-    if max_new is None:
-        max_length = pick("max_length", kwargs.get("max_length")) or 20
-        max_new = max_length - prompt_len
-    if max_new < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new}")
-    eos = pick("eos_token_id", kwargs.get("eos_token_id"))
+    max_new = _max_new_tokens(target, prompt_len, kwargs, configs, get)
+    eos = get("eos_token_id")
+    if isinstance(eos, torch.Tensor):
+        eos = eos.tolist()
     eos_ids = () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
-    pad = pick("pad_token_id", kwargs.get("pad_token_id"))
+    pad = get("pad_token_id")
     if pad is None and eos_ids:
         pad = eos_ids[0]  # HF's fallback
-    stop = pick("stop_strings", kwargs.get("stop_strings")) or ()
+    min_new, min_length = get("min_new_tokens"), get("min_length")
+    if eos_ids and min_new is not None and min_new > 0:  # HF suppresses eos until then; DFlash's step does not
+        refuse("min_new_tokens", "suppressing the eos tokens is not supported (it has no effect without an eos)")
+    if eos_ids and min_length is not None and min_length > prompt_len:
+        refuse("min_length", f"suppressing the eos tokens is not supported (only a min_length <= the prompt width "
+                             f"{prompt_len}, or no eos)")
+    stop = get("stop_strings") or ()
     stop = (stop,) if isinstance(stop, str) else tuple(stop)
     if any(not isinstance(x, str) or not x for x in stop):
         raise ValueError(f"stop_strings must be non-empty strings, got {stop}")
@@ -190,3 +268,30 @@ def resolve_generation_args(target, prompt_len: int, kwargs: dict[str, Any]) -> 
         int(max_new), eos_ids, None if pad is None else int(pad), do_sample, float(temperature), int(top_k),
         float(top_p), stop,
     )
+
+
+def _max_new_tokens(target, prompt_len, kwargs, configs, get) -> int:
+    """HF's ``_prepare_generated_length``: ``max_new_tokens`` wins over ``max_length`` (with HF's warning when
+    both are set); ``max_length`` counts the prompt; with neither set anywhere, 20 new tokens (capped at the
+    model's ``max_position_embeddings``)."""
+    max_new, max_length = get("max_new_tokens"), get("max_length")
+    length_set = kwargs.get("max_length") is not None or any(getattr(c, "max_length", None) is not None
+                                                              for c in configs)
+    if max_new is not None:
+        if max_new < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new}")
+        if length_set and max_length is not None:
+            warnings.warn(f"Both max_new_tokens (={max_new}) and max_length (={max_length}) are set: max_new_tokens "
+                          "takes precedence (as in HF generate)", UserWarning, stacklevel=2)
+        return max_new
+    if "max_length" in kwargs and kwargs["max_length"] is None:
+        raise ValueError("max_length=None without max_new_tokens (HF generate fails on it too): give max_new_tokens "
+                         "or a max_length")
+    if not length_set:
+        total = prompt_len + _HF_DEFAULT_NEW_TOKENS
+        limit = getattr(getattr(target, "config", None), "max_position_embeddings", None)
+        max_length = total if limit is None else min(total, limit)
+    if max_length <= prompt_len:
+        raise ValueError(f"max_length={max_length} leaves no new token after the {prompt_len}-token prompt: "
+                         "raise max_length or give max_new_tokens")
+    return max_length - prompt_len

@@ -9,6 +9,8 @@ Without --target/--draft it uses the shipped default pair (dflash_compile/assets
 until then a tiny randomly initialised Qwen3 target and drafter (no download, no tokenizer: the prompt's UTF-8
 bytes are the token ids and token ids are printed), and says so: the output is then meaningless tokens, but
 the whole pipeline runs. A prompts file has one JSON object per line with a "prompt" field (or a JSON string).
+Bad input (an argument out of range, a prompts file that is missing or malformed, a missing model directory) is one
+line on stderr and exit status 2.
 
 With --tp N, under torchrun with N processes (on one machine or several: torchrun's --nnodes and c10d rendezvous),
 the target is loaded with transformers' tensor-parallel plan (tp_plan="auto"; needs the accelerate package) and
@@ -19,17 +21,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import tempfile
 import time
 from collections import Counter
-
-import torch
-
-from dflash_compile import DFlashDraftModel, DFlashSpecWrapper
-from dflash_compile.generation import DFlashStats
-from dflash_compile.spec_wrapper import check_tokenizer
 
 BACKENDS = ("eager", "dflash", "dflash_neuron")
 DEFAULT_PAIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dflash_compile", "assets",
@@ -43,7 +40,10 @@ def check_backend(name: str) -> str:
 
 
 def _random_pair(block_size: int):
+    import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from dflash_compile import DFlashDraftModel
 
     torch.manual_seed(0)
     config = Qwen3Config(
@@ -56,18 +56,64 @@ def _random_pair(block_size: int):
     return target, draft, None
 
 
-def _load_pair(target_dir: str, draft_dir: str, tp: int = 1):
+class _Parser(argparse.ArgumentParser):
+    """``error`` is one line on stderr (no usage block) and exit status 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {_one_line(message)}\n")
+
+
+def _one_line(message) -> str:
+    return " ".join(str(message).split())
+
+
+def _check_ranges(p, args) -> None:
+    checks = [
+        ("--max-new-tokens", args.max_new_tokens >= 1, "an integer >= 1"),
+        ("--temperature", math.isfinite(args.temperature) and args.temperature >= 0, "a number >= 0 (0: greedy)"),
+        ("--top-k", args.top_k >= 0, "an integer >= 0 (0: off)"),
+        ("--top-p", 0 < args.top_p <= 1, "in (0, 1] (1: off)"),
+        ("--batch-size", args.batch_size >= 1, "an integer >= 1"),
+        ("--block-size", args.block_size >= 2, "an integer >= 2"),
+        ("--num-speculative-tokens", args.num_speculative_tokens is None or args.num_speculative_tokens >= 0,
+         "an integer >= 0 (0: plain decoding)"),
+        ("--tp", args.tp >= 1, "an integer >= 1"),
+    ]
+    for flag, ok, wanted in checks:
+        if not ok:
+            p.error(f"{flag} must be {wanted}, got {getattr(args, flag[2:].replace('-', '_'))}")
+    for flag, path in (("--target", args.target), ("--draft", args.draft)):
+        if path and not os.path.isdir(path):
+            p.error(f"{flag} {path}: no such directory")
+
+
+def _loaded(p, flag: str, load):
+    """``load()``, or one line naming ``flag`` when the directory does not hold what it should."""
+    try:
+        return load()
+    except (OSError, ValueError) as e:
+        p.error(f"{flag}: cannot load it: {e}")
+
+
+def _load_pair(p, target_dir: str, draft_dir: str, tp: int = 1):
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from dflash_compile import DFlashDraftModel
+    from dflash_compile.spec_wrapper import check_tokenizer
+
     split = {"tp_plan": "auto"} if tp > 1 else {}
-    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32, **split).eval()
-    draft = DFlashDraftModel.from_pretrained(draft_dir, dtype=torch.float32) if draft_dir else None
-    tok = AutoTokenizer.from_pretrained(target_dir)
-    check_tokenizer(tok, target)
+    target = _loaded(p, "--target",
+                     lambda: AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32, **split).eval())
+    draft = _loaded(p, "--draft", lambda: DFlashDraftModel.from_pretrained(draft_dir, dtype=torch.float32)
+                    ) if draft_dir else None
+    tok = _loaded(p, "--target", lambda: AutoTokenizer.from_pretrained(target_dir))
+    _loaded(p, "--target", lambda: check_tokenizer(tok, target))
     return target, draft, tok
 
 
 def _load_split(target_dir: str):
+    import torch
     from transformers import AutoModelForCausalLM
 
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32, tp_plan="auto").eval()
@@ -103,22 +149,51 @@ def _default_pair_dirs():
         return None
 
 
-def _read_prompts(args) -> list[str]:
+def _read_prompts(p, args) -> list[str]:
+    """The prompts; a prompts file that cannot be read or holds a malformed line is ``p.error`` (with its line)."""
     if not args.prompts_file:
+        if not args.prompt:
+            p.error("--prompt is empty")
         return [args.prompt]
+    name = args.prompts_file
+    try:
+        with open(name, encoding="utf-8") as f:
+            lines = f.readlines()
+    except OSError as e:
+        p.error(f"--prompts-file {name}: cannot read it: {e.strerror or e}")
+    except UnicodeDecodeError as e:
+        p.error(f"--prompts-file {name}: not UTF-8 text: {e}")
     prompts = []
-    with open(args.prompts_file) as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                item = json.loads(line)
-                if isinstance(item, dict):
-                    if "prompt" not in item:
-                        raise ValueError(f"{args.prompts_file}:{n}: no 'prompt' field")
-                    item = item["prompt"]
-                prompts.append(str(item))
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as e:
+            p.error(f"--prompts-file {name}:{n}: not JSON: {e.msg} (column {e.colno})")
+        if isinstance(item, dict):
+            if "prompt" not in item:
+                p.error(f'--prompts-file {name}:{n}: no "prompt" field')
+            item = item["prompt"]
+        if not isinstance(item, str):
+            p.error(f'--prompts-file {name}:{n}: expected {{"prompt": "..."}} or a JSON string, got '
+                    f"{type(item).__name__}")
+        if not item:
+            p.error(f"--prompts-file {name}:{n}: the prompt is empty")
+        prompts.append(item)
     if not prompts:
-        raise ValueError(f"{args.prompts_file} has no prompts")
+        p.error(f"--prompts-file {name}: no prompts in it")
     return prompts
+
+
+def _generate(p, flag, spec, inputs, max_new_tokens, pad, **kwargs):
+    """``spec.generate``; a prompt the pair cannot take (too long, tokens outside the vocabulary) is ``p.error``
+    (generate validates its arguments before any model work)."""
+    try:
+        return spec.generate(inputs, max_new_tokens=max_new_tokens, pad_token_id=pad, return_dict_in_generate=True,
+                             **kwargs)
+    except ValueError as e:
+        p.error(f"{flag}: {e}")
 
 
 class _IdStreamer:
@@ -138,7 +213,7 @@ class _IdStreamer:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", help="HF causal LM directory (with its tokenizer)")
     p.add_argument("--draft", help="DFlash drafter directory (config.json + safetensors)")
     src = p.add_mutually_exclusive_group()
@@ -152,7 +227,7 @@ def main(argv=None) -> None:
     p.add_argument("--backend", default="eager", help=f"one of {', '.join(BACKENDS)}")
     p.add_argument("--stream", action="store_true", help="print tokens as they are accepted (one prompt at a time)")
     p.add_argument("--batch-size", type=int, default=8, help="requests decoded together")
-    p.add_argument("--block-size", type=int, default=8, help="block size of the random demo drafter")
+    p.add_argument("--block-size", type=int, default=8, help="block size of the random demo drafter (>= 2)")
     p.add_argument("--num-speculative-tokens", type=int, default=None,
                    help="K, the drafts every step verifies (0: plain decoding); default: chosen per step (auto)")
     p.add_argument("--tp", type=int, default=1,
@@ -166,13 +241,13 @@ def main(argv=None) -> None:
     try:
         check_backend(args.backend)
     except ValueError as e:
-        p.error(str(e))
-    prompts = _read_prompts(args)
-    for i, text in enumerate(prompts):
-        if not text:
-            p.error(f"prompt {i} is empty")
-    if args.tp < 1:
-        p.error(f"--tp must be >= 1, got {args.tp}")
+        p.error(f"--backend: {e}")
+    _check_ranges(p, args)
+    prompts = _read_prompts(p, args)
+    # Imported once the arguments are checked: a bad one is reported at once, not after loading torch.
+    from dflash_compile import DFlashDraftModel, DFlashSpecWrapper
+    from dflash_compile.generation import DFlashStats
+
     if args.tp > 1:
         _start_ranks(p, args.tp)
 
@@ -180,7 +255,7 @@ def main(argv=None) -> None:
         args.target, args.draft = _default_pair_dirs()
         print(f"using the shipped default pair ({DEFAULT_PAIR})")
     if args.target:
-        target, draft, tok = _load_pair(args.target, args.draft, args.tp)
+        target, draft, tok = _load_pair(p, args.target, args.draft, args.tp)
         inputs = [tok(x).input_ids for x in prompts]
     else:
         print("NOTE: no --target/--draft given and no default pair shipped yet: using a tiny RANDOMLY INITIALISED "
@@ -200,20 +275,25 @@ def main(argv=None) -> None:
     if args.speculative_config:
         try:
             spec = DFlashSpecWrapper.from_speculative_config(target, args.speculative_config,
-                                                             max_batch_size=max(1, args.batch_size))
-        except (ValueError, FileNotFoundError) as e:
+                                                             max_batch_size=args.batch_size)
+        except (ValueError, OSError) as e:
             p.error(f"--speculative-config: {e}")
     else:
+        block = draft.config.block_size
+        if args.num_speculative_tokens is not None and args.num_speculative_tokens > block - 1:
+            p.error(f"--num-speculative-tokens must be in [0, {block - 1}] for a drafter of block size {block}, "
+                    f"got {args.num_speculative_tokens}")
         try:
-            spec = DFlashSpecWrapper(target, draft, args.num_speculative_tokens, max_batch_size=max(1, args.batch_size))
+            spec = DFlashSpecWrapper(target, draft, args.num_speculative_tokens, max_batch_size=args.batch_size)
         except ValueError as e:
-            p.error(f"--num-speculative-tokens: {e}")
+            p.error(f"{'--target/--draft' if args.target else '--block-size'}: {e}")
     if args.backend != "eager":
         spec.compile(backend=args.backend, fullgraph=True)
     pad = target.generation_config.pad_token_id
     if pad is None:
         pad = target.generation_config.eos_token_id if isinstance(target.generation_config.eos_token_id, int) else 0
 
+    source = "--prompts-file" if args.prompts_file else "--prompt"
     start = time.perf_counter()
     if args.stream:  # HF streamers take batch size 1: one prompt at a time
         outs = []
@@ -224,11 +304,9 @@ def main(argv=None) -> None:
                 streamer = TextStreamer(tok, skip_prompt=False)
             else:
                 streamer = _IdStreamer()
-            outs.append(spec.generate([ids], max_new_tokens=args.max_new_tokens, pad_token_id=pad, streamer=streamer,
-                                      return_dict_in_generate=True, **sampling))
+            outs.append(_generate(p, source, spec, [ids], args.max_new_tokens, pad, streamer=streamer, **sampling))
     else:
-        outs = [spec.generate(inputs, max_new_tokens=args.max_new_tokens, pad_token_id=pad,
-                              return_dict_in_generate=True, **sampling)]
+        outs = [_generate(p, source, spec, inputs, args.max_new_tokens, pad, **sampling)]
     elapsed = time.perf_counter() - start
 
     rows = [(o, i) for o in outs for i in range(o.sequences.shape[0])]

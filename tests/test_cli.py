@@ -61,6 +61,66 @@ def test_cli_errors(tmp_path):
     assert "--- [1]" in r.stdout
 
 
+def _bad_input(*args):
+    """Runs the CLI on bad input: exit status 2, no traceback, and one line on stderr (after the progress bars of
+    weight loading, for errors found once the pair is loaded), which is returned."""
+    r = _run(*args)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.strip() and not line.startswith("Loading weights")]
+    assert len(lines) == 1 and lines[0].startswith("generate.py: error: "), r.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--max-new-tokens", "-1"], "--max-new-tokens must be an integer >= 1, got -1"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be an integer >= 1, got 0"),
+    (["--max-new-tokens", "many"], "argument --max-new-tokens: invalid int value: 'many'"),
+    (["--temperature", "-2"], "--temperature must be a number >= 0 (0: greedy), got -2.0"),
+    (["--temperature", "nan"], "--temperature must be a number >= 0"),
+    (["--top-k", "-1"], "--top-k must be an integer >= 0 (0: off), got -1"),
+    (["--top-p", "1.5"], "--top-p must be in (0, 1] (1: off), got 1.5"),
+    (["--top-p", "0"], "--top-p must be in (0, 1]"),
+    (["--batch-size", "0"], "--batch-size must be an integer >= 1, got 0"),
+    (["--block-size", "1"], "--block-size must be an integer >= 2, got 1"),
+    (["--num-speculative-tokens", "-1"], "--num-speculative-tokens must be an integer >= 0"),
+    (["--tp", "0"], "--tp must be an integer >= 1, got 0"),
+    (["--backend", "tensorrt"], "--backend: unknown backend 'tensorrt'"),
+    (["--prompt", ""], "--prompt is empty"),
+    (["--target", "/no/such/dir", "--draft", "/no/such/dir"], "--target /no/such/dir: no such directory"),
+    (["--prompts-file", "/no/such/prompts.jsonl"], "--prompts-file /no/such/prompts.jsonl: cannot read it: No such"),
+], ids=lambda x: " ".join(x) if isinstance(x, list) else None)
+def test_cli_bad_arguments(args, message):
+    assert message in _bad_input(*args)
+
+
+@pytest.mark.parametrize("content,message", [
+    ('{"prompt": "ab"}\n{"prompt": "cd"\n', ':2: not JSON: Expecting \',\' delimiter'),
+    ('{"prompt": "ab"}\n\n{"text": "cd"}\n', ':3: no "prompt" field'),
+    ('{"prompt": 5}\n', ':1: expected {"prompt": "..."} or a JSON string, got int'),
+    ('["ab"]\n', ':1: expected {"prompt": "..."} or a JSON string, got list'),
+    ('"ab"\n{"prompt": ""}\n', ":2: the prompt is empty"),
+    ("\n\n", ": no prompts in it"),
+    (b"\xff\xfe\n", ": not UTF-8 text"),
+    (None, ": cannot read it: Is a directory"),
+], ids=["bad-json", "no-prompt", "not-a-string", "a-list", "empty-prompt", "empty-file", "not-utf8", "a-directory"])
+def test_cli_bad_prompts_file(tmp_path, content, message):
+    f = tmp_path / "prompts.jsonl"
+    if content is None:
+        f.mkdir()
+    elif isinstance(content, bytes):
+        f.write_bytes(content)
+    else:
+        f.write_text(content)
+    assert f"--prompts-file {f}{message}" in _bad_input("--prompts-file", str(f))
+
+
+def test_cli_bad_input_found_once_loaded(tmp_path):
+    """Errors that need the pair: K beyond the drafter's block, a directory without a model, a prompt too long."""
+    assert "--num-speculative-tokens must be in [0, " in _bad_input("--num-speculative-tokens", "99")
+    assert "--target: cannot load it: " in _bad_input("--target", str(tmp_path), "--draft", str(tmp_path))
+    assert "--prompt: prompt 0 has" in _bad_input("--prompt", "a" * 5000, "--max-new-tokens", "2")
+
+
 DEMO = os.path.join(ROOT, "examples", "demo.py")
 
 
