@@ -35,6 +35,7 @@ from .speculation import BatchSizeSchedule, FixedK, GoodputPolicy, SpeculationPo
 
 log = logging.getLogger(__name__)
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16)
+_UNSET = object()  # ``generate``'s default for arguments where an explicit None means something (as in HF)
 _MASKABLE = ("sdpa", "eager")
 
 
@@ -673,9 +674,9 @@ class DFlashSpecWrapper(nn.Module):
         self,
         input_ids,
         attention_mask: torch.Tensor | None = None,
-        max_new_tokens: int | None = None,
-        eos_token_id=None,
-        pad_token_id: int | None = None,
+        max_new_tokens: int | None = _UNSET,
+        eos_token_id=_UNSET,
+        pad_token_id: int | None = _UNSET,
         return_dict_in_generate: bool = False,
         *,
         streamer=None,
@@ -709,7 +710,8 @@ class DFlashSpecWrapper(nn.Module):
             raise ValueError("output_drafts=True needs return_dict_in_generate=True")
         prompts, prefix, args, generators = self._requests(
             input_ids, attention_mask, streamer, tokenizer, seed, generator, output_drafts,
-            dict(kwargs, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, pad_token_id=pad_token_id),
+            dict(kwargs, **{k: v for k, v in (("max_new_tokens", max_new_tokens), ("eos_token_id", eos_token_id),
+                                              ("pad_token_id", pad_token_id)) if v is not _UNSET}),
         )
         handles = self.scheduler.submit_together(prompts, args, generators)
         try:
@@ -749,16 +751,14 @@ class DFlashSpecWrapper(nn.Module):
         ``GenerationArgs``, one generator per prompt or None)."""
         if self._closed:
             raise RuntimeError("this DFlashSpecWrapper is closed (its hooks on the target are removed): make a new one")
-        pad_for_inference = kwargs.get("pad_token_id")
-        if pad_for_inference is None:
-            pad_for_inference = getattr(kwargs.get("generation_config") or self.target.generation_config,
-                                        "pad_token_id", None)
-        prompts, prefix = self._prompts(input_ids, attention_mask, pad_for_inference)
+        # ``kwargs`` holds only what the caller gave: an explicit None means what it means in HF (``eos_token_id=None``:
+        # never stop on eos). The lengths count the (padded) prompt width, as HF's do.
+        args = resolve_generation_args(self.target, _prompt_width(input_ids), kwargs, unset_if_none=())
+        # Without an attention_mask, HF masks the pad tokens, unless pad is an eos id (after its eos fallback).
+        pad = args.pad_token_id if args.pad_token_id not in (None, *args.eos_token_ids) else None
+        prompts, prefix = self._prompts(input_ids, attention_mask, pad)
         if single and len(prompts) != 1:
             raise ValueError(f"submit takes one prompt, got {len(prompts)}: submit each, or use generate")
-        args = resolve_generation_args(
-            self.target, prefix.shape[1] if prefix is not None else max(len(p) for p in prompts), kwargs
-        )
         vocab = self.draft.config.vocab_size
         for i, p in enumerate(prompts):
             if not p:
@@ -808,7 +808,7 @@ class DFlashSpecWrapper(nn.Module):
         if ids.dim() != 2 or ids.shape[0] == 0:
             raise ValueError(f"input_ids must be [batch, length], got shape {tuple(ids.shape)}")
         if attention_mask is None:
-            if pad_token_id is not None and ids.shape[0] > 1 and bool((ids == pad_token_id).any()):
+            if pad_token_id is not None and bool((ids == pad_token_id).any()):
                 attention_mask = ids != pad_token_id  # HF infers the mask from pad tokens the same way
             else:
                 attention_mask = torch.ones_like(ids, dtype=torch.bool)
@@ -821,6 +821,18 @@ class DFlashSpecWrapper(nn.Module):
             raise ValueError("attention_mask must be left-padded (HF convention: tokenizer.padding_side='left')")
         ids_cpu = ids.cpu()
         return [ids_cpu[i][mask[i]].tolist() for i in range(ids.shape[0])], ids
+
+
+def _prompt_width(input_ids) -> int:
+    """The width of ``input_ids`` as HF's length arguments count it (the padded tensor's, or the longest prompt's); 0
+    for input ``_prompts`` will refuse."""
+    if isinstance(input_ids, torch.Tensor):
+        return input_ids.shape[-1] if input_ids.dim() else 0
+    if isinstance(input_ids, (list, tuple)) and input_ids:
+        if isinstance(input_ids[0], numbers.Number):
+            return len(input_ids)
+        return max((len(p) if hasattr(p, "__len__") else 0) for p in input_ids)
+    return 0
 
 
 def check_tokenizer(tokenizer, target: nn.Module) -> None:

@@ -124,8 +124,6 @@ def test_explicit_none_eos_resolves_to_no_eos(pair, eos):
     assert ref.shape[1] == 4 + MAX_NEW and (ref[0, 4:] == eos).any()
 
 
-@pytest.mark.xfail(strict=True, reason="spec_wrapper.generate defaults eos_token_id to None, so an explicit None "
-                                       "cannot be told from 'not given' (see docs/generation.md)")
 @INPUTS
 def test_explicit_none_eos_through_generate(pair, eos, inputs):
     with _config(pair[0], eos_token_id=eos):
@@ -329,15 +327,11 @@ def test_mask_inferred_from_pad_in_a_batch(pair):
     _same(pair, (LEFT_PADDED[0], None), max_new_tokens=MAX_NEW)
 
 
-@pytest.mark.xfail(strict=True, reason="spec_wrapper._prompts infers the mask from pad_token_id even when it is an "
-                                       "eos id; HF does not (see docs/generation.md)")
 def test_no_mask_inferred_when_pad_is_eos(pair, eos):
     ids = LEFT_PADDED[0].clone()
     ids[1, :4] = eos
     _same(pair, (ids, None), max_new_tokens=MAX_NEW, eos_token_id=eos, pad_token_id=eos)
 
 
-@pytest.mark.xfail(strict=True, reason="spec_wrapper._prompts infers the mask for batches of 2+ only; HF also for "
-                                       "one row (see docs/generation.md)")
 def test_mask_inferred_for_one_row(pair):
     _same(pair, (torch.tensor([[PAD, PAD, 5, 17, 42, 8]]), None), max_new_tokens=MAX_NEW)
