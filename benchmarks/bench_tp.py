@@ -23,10 +23,8 @@ with ``OMP_NUM_THREADS`` set to its thread count, reads the JSON its (rank-0) wo
 Methods, in every configuration: ``hf_greedy`` (``target.generate(do_sample=False)``, eager), ``dflash_k0`` (the
 wrapper with ``num_speculative_tokens=0``: plain decoding through our compiled step) and ``dflash_k7``
 (``speculation="fixed"``, ``num_speculative_tokens=7``). Both wrappers are compiled with ``backend="dflash"``
-(graphs saved in ``build/bench_tp/cache/<config>``, so a rerun loads them; not the 2-rank configuration's, cleared
-before it runs unless ``--reload-tp-cache``: a tensor-parallel graph loaded back from the cache fails at its first
-call, ``IndexError`` in AOTAutograd's subclass runtime wrapper) and precompiled for batch 1 before anything is
-timed. Each method runs the ``--prompts`` random prompts one after another (batch 1, ``--max-new`` new
+(graphs saved in ``build/bench_tp/cache/<config>``, so a rerun loads them; the 2-rank configuration's are never
+saved, see docs/distributed.md) and precompiled for batch 1 before anything is timed. Each method runs the ``--prompts`` random prompts one after another (batch 1, ``--max-new`` new
 tokens each, no eos); one untimed warm-up round, then ``--repeats`` rounds each running every method once in turn;
 each figure is the median round. Ranks start every round together (a barrier) and rank 0 times it.
 
@@ -55,7 +53,6 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(REPO / "build" / "inductor-
 import argparse  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
-import shutil  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -334,10 +331,6 @@ def launch(args) -> dict:
                    *cmd]
         else:
             cmd = [sys.executable, *cmd]
-        if ranks > 1 and not args.reload_tp_cache:
-            # A tensor-parallel step graph loaded back from the compile cache fails at its first call (IndexError in
-            # AOTAutograd's subclass runtime wrapper, torch 2.13): compile this configuration's graphs afresh.
-            shutil.rmtree(Path(args.cache_dir) / name, ignore_errors=True)
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
         env.setdefault("DFLASH_TP_TIMEOUT", "300")  # first compiles on a busy 2-core machine: ranks may drift
         shown = " ".join(["python", *cmd[1:]])
@@ -456,10 +449,8 @@ def markdown(results) -> str:
                   f"{n} " + " / ".join(f"{how} {s:.0f} s" for m in SPECS
                                        for how, s in configs[n]["methods"][m]["compile"]["graphs"].values())
                   for n in names) + "."
-              + ("" if a.get("reload_tp_cache") else " The 2-rank configuration always compiles: its compile cache is "
-                 "cleared before it runs, as a tensor-parallel step graph loaded back from the cache fails at its "
-                 "first call (`IndexError: list index out of range` in AOTAutograd's subclass runtime wrapper, "
-                 "`subclass_codegen.py`, torch 2.13)."), ""]
+              + " The 2-rank configuration always compiles: tensor-parallel step graphs are not saved in the compile "
+                "cache (docs/distributed.md).", ""]
     return "\n".join(lines) + "\n"
 
 
@@ -483,9 +474,6 @@ def main():
     p.add_argument("--target-dir", default=str((WORK / "target").relative_to(REPO)))
     p.add_argument("--cache-dir", default=str((WORK / "cache").relative_to(REPO)))
     p.add_argument("--collectives-store", default=str((WORK / "collectives.json").relative_to(REPO)))
-    p.add_argument("--reload-tp-cache", action="store_true",
-                   help="let the 2-rank configuration load its step graphs from the compile cache (by default its "
-                        "cache is cleared first: a loaded tensor-parallel graph fails at its first call)")
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--name", default="bench_tp", help="launcher: output files NAME.{json,md}; worker: the config")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

@@ -21,10 +21,8 @@ local shards, and the compiled graph is called with each input's local tensor.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import importlib.util
 import logging
-import pickle
 import unittest.mock
 
 import torch
@@ -165,40 +163,6 @@ class Subclasses:
         return fn, self.flatten(example_inputs)
 
 
-class _OverParts(torch._dynamo.aot_compile_types.SerializableCallable):
-    """A graph compiled over its subclass inputs' plain parts, called with the subclass inputs; saved as the inner
-    graph's artefact and the inputs' paths."""
-
-    def __init__(self, inner, subclasses: Subclasses):
-        self.inner, self.subclasses = inner, subclasses
-
-    def __call__(self, *args):
-        return self.inner(*self.subclasses.flatten(args))
-
-    @classmethod
-    def serialize_compile_artifacts(cls, fn) -> bytes:
-        inner = type(fn.inner)
-        return pickle.dumps((fn.subclasses.paths, inner.__module__, inner.__qualname__,
-                             inner.serialize_compile_artifacts(fn.inner)))
-
-    @classmethod
-    def deserialize_compile_artifacts(cls, data: bytes):
-        paths, module, name, payload = pickle.loads(data)
-        inner = getattr(importlib.import_module(module), name)
-        return cls(inner.deserialize_compile_artifacts(payload), Subclasses(paths))
-
-
-def _serializable(compiled):
-    """What ``compile_fx`` returns, as the ahead-of-time capture wraps it (see ``torch._dynamo.aot_compile``)."""
-    from torch._dynamo.aot_compile_types import BundledAOTAutogradSerializableCallable
-
-    if isinstance(compiled, torch._dynamo.aot_compile_types.SerializableCallable):
-        return compiled
-    if getattr(compiled, "serialize", None) is not None:
-        return BundledAOTAutogradSerializableCallable(compiled)
-    return compiled
-
-
 def _over_parts(backend):
     """``backend`` for graphs with tensor-subclass inputs: it compiles the graph over their plain parts."""
 
@@ -211,10 +175,11 @@ def _over_parts(backend):
             plain = _retrace(fn, flat, dynamic=_is_dynamic(gm, example_inputs))
         counters["dflash"]["subclass_graphs"] += 1
         counters["dflash"]["collectives"] += _collectives(plain)
-        compiled = _serializable(backend(plain, flat, options))
-        if isinstance(compiled, torch._dynamo.aot_compile_types.SerializableCallable):
-            return _OverParts(compiled, subclasses)
-        return lambda *args: compiled(*subclasses.flatten(args))  # a backend result torch cannot save
+        compiled = backend(plain, flat, options)
+        # A plain callable: the ahead-of-time capture keeps it in memory, never saved. Saved and loaded in a new
+        # process, such a graph (as torch's serializable artefact of ``compile_fx``, called with the parts) failed at
+        # its first call in torch 2.13 (``IndexError`` in AOTAutograd's subclass runtime wrapper).
+        return lambda *args: compiled(*subclasses.flatten(args))
 
     compile.__name__, compile.__qualname__, compile.__doc__ = backend.__name__, backend.__qualname__, backend.__doc__
     return compile

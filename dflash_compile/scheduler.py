@@ -288,8 +288,10 @@ class Scheduler:
             running = self.batch.rows if self.batch is not None else []
             free = spec.max_batch_size - len(running)
             queued = len(self._waiting)
+            unseeded = any(r.args.do_sample and r.generator is None for r in self._waiting)
         flags = [int(r.cancelled) for r in running] + [0] * (spec.max_batch_size - len(running))
-        seed = int(torch.randint(0, 2**62, (1,)).item()) if tp.rank == 0 else 0
+        # from rank 0's global RNG, as an unseeded request's seed is in one process; drawn only when one is queued
+        seed = int(torch.randint(0, 2**62, (1,)).item()) if tp.rank == 0 and unseeded else 0
         ranks = tp.gather([min(free, queued), int(bool(queued or running)), seed] + flags)
         for i, r in enumerate(running):
             r.cancel_agreed = any(v[3 + i] for v in ranks)

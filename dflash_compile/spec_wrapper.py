@@ -35,6 +35,8 @@ from .speculation import BatchSizeSchedule, FixedK, GoodputPolicy, SpeculationPo
 
 log = logging.getLogger(__name__)
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16)
+_SPLIT_WEIGHTS = tuple(f"{m}.weight" for m in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                 "down_proj"))  # a split drafter's per-rank shares
 _UNSET = object()  # ``generate``'s default for arguments where an explicit None means something (as in HF)
 _MASKABLE = ("sdpa", "eager")
 
@@ -271,11 +273,12 @@ class DFlashSpecWrapper(nn.Module):
     def _identity(self) -> str:
         """What must be the same on every rank of a tensor-parallel target: both configs, the drafter's weights (a
         checksum), the wrapper's geometry and the speculation policy's ``K`` set."""
+        split = self.draft.split_over is not None  # already split by another wrapper: each rank holds its share
         with torch.no_grad():
-            weights = [round(float(p.double().sum()), 6) for p in self.draft.parameters() if type(p) is nn.Parameter
-                       or type(p) is torch.Tensor]
+            weights = [round(float(p.double().sum()), 6) for name, p in self.draft.named_parameters()
+                       if type(p) in (nn.Parameter, torch.Tensor) and not (split and name.endswith(_SPLIT_WEIGHTS))]
         return json.dumps([self.target.config.get_text_config().to_json_string(), self.draft.config.to_json_string(),
-                           repr(self.draft.dflash_config), weights, self.max_batch_size, self.max_seq_len,
+                           repr(self.draft.dflash_config), weights, self.draft.split_over and self.draft.split_over[1], self.max_batch_size, self.max_seq_len,
                            self.page_size, self.batch_buckets, self.context_buckets, list(self.speculative_ks),
                            type(self.policy).__name__])
 

@@ -7,7 +7,8 @@ Modes:
   key, the passes' counters); every row against the single-process ``target.generate``; the split drafter's
   drafts, every step, against the whole drafter's in a single process.
 - ``sample``: seeded sampling at a fixed ``K`` against the single-process wrapper with the same seed; unseeded
-  sampling with ``speculation="auto"``, the same on every rank.
+  sampling with ``speculation="auto"`` through a second wrapper over the same (already split) drafter, the same on
+  every rank.
 - ``kill``: rank 1 exits mid-generation (``os._exit`` from its streamer); rank 0 reports the error and the seconds
   it took to get it.
 - ``stall``: rank 1 stops stepping but stays alive; rank 0 reports the error of the timed-out collective.
@@ -97,9 +98,12 @@ def sample(args, rank):
     kw = dict(max_new_tokens=NEW, pad_token_id=PAD, do_sample=True, temperature=1.3, top_k=20)
     # a fixed K: with speculation="auto" the K of each step follows this machine's timings, and so do the uniforms
     # each step draws (ranks agree with each other, not with another process)
-    seeded = _rows(_wrapper(target, num_speculative_tokens=3).generate(prompts, seed=7, **kw), prompts)
+    draft = _drafter(target)
+    geometry = dict(max_batch_size=4, max_seq_len=96, page_size=8)
+    seeded = _rows(DFlashSpecWrapper(target, draft, 3, **geometry).generate(prompts, seed=7, **kw), prompts)
     reference = _rows(_wrapper(single, num_speculative_tokens=3).generate(prompts, seed=7, **kw), prompts)
-    unseeded = _rows(_wrapper(target).generate(prompts, **kw), prompts)
+    # a second wrapper over the same drafter, which the first split in place
+    unseeded = _rows(DFlashSpecWrapper(target, draft, **geometry).generate(prompts, **kw), prompts)
     return {"seeded": seeded, "single": reference, "unseeded": unseeded}
 
 
