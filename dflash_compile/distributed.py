@@ -10,8 +10,8 @@ ranks in step where their host decisions could differ:
 - the seed of each request that samples without one (rank 0 draws it), so every rank draws the same uniforms.
 
 Each is one small all-gather of integers on the host per scheduler iteration (``Scheduler._sync``), on a gloo
-group of its own. Ranks that were given
-different requests are detected from a digest of each admitted request and fail with an error naming the rank.
+group of its own. Ranks that were given different requests are detected from a digest of each admitted request and
+fail with an error naming the ranks.
 
 Faults: collectives time out after ``DFLASH_TP_TIMEOUT`` seconds (default 60): the scheduler's own group is created
 with it, and ``init_distributed`` gives it to the process group it creates (the target's collectives). A rank that
