@@ -143,6 +143,12 @@ class DFlashDecoderLayer(nn.Module):
         return funcol.all_reduce(partial, "sum", self.tp_group)
 
 
+#: Which of a layer's projections ``DFlashDraftModel.split`` shares out: column-parallel, then row-parallel.
+SPLIT_COLUMNS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+SPLIT_ROWS = ("self_attn.o_proj", "mlp.down_proj")
+SPLIT_WEIGHTS = tuple(f"{name}.weight" for name in SPLIT_COLUMNS + SPLIT_ROWS)  # each rank's share differs
+
+
 def _rows(linear: nn.Linear, rank: int, world: int) -> None:
     """Keep this rank's share of ``linear``'s output features (column-parallel)."""
     n = linear.out_features // world
@@ -209,13 +215,12 @@ class DFlashDraftModel(nn.Module):
         if self.split_over is not None:
             raise RuntimeError(f"the drafter is already split (rank {self.split_over[0]} of {self.split_over[1]})")
         for layer in self.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            for linear in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
-                _rows(linear, rank, world)
-            for linear in (attn.o_proj, mlp.down_proj):
-                _columns(linear, rank, world)
-            attn.num_heads //= world
-            attn.num_kv_heads //= world
+            for name in SPLIT_COLUMNS:
+                _rows(layer.get_submodule(name), rank, world)
+            for name in SPLIT_ROWS:
+                _columns(layer.get_submodule(name), rank, world)
+            layer.self_attn.num_heads //= world
+            layer.self_attn.num_kv_heads //= world
             layer.tp_group = group
         self.split_over = (rank, world)
         return self

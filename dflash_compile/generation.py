@@ -158,8 +158,6 @@ _HF_CALL_ARGS_NO_EFFECT = {"synced_gpus", "trust_remote_code"}
 # HF's defaults for fields that nothing sets (GenerationConfig._get_default_generation_params).
 _HF_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0, "num_beams": 1, "num_return_sequences": 1}
 _HF_DEFAULT_NEW_TOKENS = 20  # HF's default max_length, counted from the prompt when no length is set anywhere
-# generate()'s own parameters default to None: there, None means "not given" (see resolve_generation_args).
-WRAPPER_NONE_DEFAULTS = ("max_new_tokens", "eos_token_id", "pad_token_id")
 
 
 @functools.cache
@@ -173,22 +171,20 @@ def _is_off(value, no_ops) -> bool:
     return value is None or any(value == x for x in no_ops)
 
 
-def resolve_generation_args(target, prompt_len: int, kwargs: dict[str, Any], *,
-                            unset_if_none: tuple[str, ...] = WRAPPER_NONE_DEFAULTS) -> GenerationArgs:
+def resolve_generation_args(target, prompt_len: int, kwargs: dict[str, Any]) -> GenerationArgs:
     """HF ``generate``'s semantics, before any model work.
 
     Priority as in HF: an argument given in ``kwargs`` (an explicit ``None`` included: ``eos_token_id=None`` never
     stops on eos, ``top_k=None`` disables top-k), then ``generation_config=`` (the argument), then
     ``target.generation_config``, each config's unset (None) fields falling through to the next, then HF's global
     defaults (20 new tokens, ``top_k=50``). ``prompt_len`` is the (left-padded) prompt width, which HF's length
-    arguments count. ``kwargs[name] is None`` for a name in ``unset_if_none`` means "not given" (a caller whose
-    signature defaults those to None); pass ``()`` when ``kwargs`` holds only what the caller gave.
+    arguments count. ``kwargs`` holds only what the caller gave.
 
     Every argument either gives HF's tokens or is an error naming it: ``ValueError`` for a value DFlash does not
     support (a logits processor, beam search, ``min_new_tokens`` with an eos, ...), ``TypeError`` for a name that is
     not a ``generate`` argument. With ``do_sample=False`` temperature, top-k, top-p (and the other sampling
     warpers) are ignored, as HF does."""
-    kwargs = {k: v for k, v in kwargs.items() if not (v is None and k in unset_if_none)}
+    kwargs = dict(kwargs)
     sources = [(c, where) for c, where in ((kwargs.pop("generation_config", None), "generation_config"),
                                            (getattr(target, "generation_config", None), "target.generation_config"))
                if c is not None]

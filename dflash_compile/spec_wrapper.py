@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from .distributed import TensorParallel
-from .draft_model import DFlashDraftModel
+from .draft_model import SPLIT_WEIGHTS, DFlashDraftModel
 from .generation import DFlashGenerateOutput, resolve_generation_args
 from .hidden_states import AuxHiddenStates, decoder_layers
 from .kv_cache import (
@@ -35,8 +35,6 @@ from .speculation import BatchSizeSchedule, FixedK, GoodputPolicy, SpeculationPo
 
 log = logging.getLogger(__name__)
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16)
-_SPLIT_WEIGHTS = tuple(f"{m}.weight" for m in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                                 "down_proj"))  # a split drafter's per-rank shares
 _UNSET = object()  # ``generate``'s default for arguments where an explicit None means something (as in HF)
 _MASKABLE = ("sdpa", "eager")
 
@@ -276,10 +274,10 @@ class DFlashSpecWrapper(nn.Module):
         split = self.draft.split_over is not None  # already split by another wrapper: each rank holds its share
         with torch.no_grad():
             weights = [round(float(p.double().sum()), 6) for name, p in self.draft.named_parameters()
-                       if type(p) in (nn.Parameter, torch.Tensor) and not (split and name.endswith(_SPLIT_WEIGHTS))]
+                       if type(p) in (nn.Parameter, torch.Tensor) and not (split and name.endswith(SPLIT_WEIGHTS))]
         return json.dumps([self.target.config.get_text_config().to_json_string(), self.draft.config.to_json_string(),
-                           repr(self.draft.dflash_config), weights, self.draft.split_over and self.draft.split_over[1], self.max_batch_size, self.max_seq_len,
-                           self.page_size, self.batch_buckets, self.context_buckets, list(self.speculative_ks),
+                           repr(self.draft.dflash_config), weights, self.draft.split_over and self.draft.split_over[1],
+                           self.max_batch_size, self.max_seq_len, self.page_size, self.batch_buckets, self.context_buckets, list(self.speculative_ks),
                            type(self.policy).__name__])
 
     @property
@@ -756,7 +754,7 @@ class DFlashSpecWrapper(nn.Module):
             raise RuntimeError("this DFlashSpecWrapper is closed (its hooks on the target are removed): make a new one")
         # ``kwargs`` holds only what the caller gave: an explicit None means what it means in HF (``eos_token_id=None``:
         # never stop on eos). The lengths count the (padded) prompt width, as HF's do.
-        args = resolve_generation_args(self.target, _prompt_width(input_ids), kwargs, unset_if_none=())
+        args = resolve_generation_args(self.target, _prompt_width(input_ids), kwargs)
         # Without an attention_mask, HF masks the pad tokens, unless pad is an eos id (after its eos fallback).
         pad = args.pad_token_id if args.pad_token_id not in (None, *args.eos_token_ids) else None
         prompts, prefix = self._prompts(input_ids, attention_mask, pad)

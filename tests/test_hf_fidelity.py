@@ -113,12 +113,11 @@ def test_pad_argument(pair, eos, inputs):
 
 
 def test_explicit_none_eos_resolves_to_no_eos(pair, eos):
-    """HF: an explicit ``eos_token_id=None`` never stops on eos, whatever the generation config says; the resolver
-    does the same for arguments passed as given (``unset_if_none=()``)."""
+    """HF: an explicit ``eos_token_id=None`` never stops on eos, whatever the generation config says; so does the
+    resolver."""
     target, _ = pair
     with _config(target, eos_token_id=eos):
-        assert resolve_generation_args(target, 4, {"max_new_tokens": 3, "eos_token_id": None},
-                                       unset_if_none=()).eos_token_ids == ()
+        assert resolve_generation_args(target, 4, {"max_new_tokens": 3, "eos_token_id": None}).eos_token_ids == ()
         assert resolve_generation_args(target, 4, {"max_new_tokens": 3}).eos_token_ids == (eos,)
         ref = target.generate(ONE[0], max_new_tokens=MAX_NEW, eos_token_id=None)
     assert ref.shape[1] == 4 + MAX_NEW and (ref[0, 4:] == eos).any()
