@@ -3,8 +3,10 @@
 Layout. Each target decoder layer has its own pool, sized from what that layer actually caches (``probe_layout``
 runs the target once on one token through HF's own cache and reads the shapes): an attention layer whose K and V
 have the same per-token shape gets one tensor ``[2 (K, V), num_slots + 2, kv_heads, head_dim]``, one whose K and V
-differ (MLA caches a latent and a rotary key of different widths) a ``(K pool, V pool)`` pair, and a recurrent
-(linear-attention) layer a dict of state pools with one slot per running request (``recurrent.py``). Separate
+differ (MLA caches a latent and a rotary key of different widths) a ``(K pool, V pool)`` pair, a recurrent layer
+(linear attention, Mamba, short convolution: any conv or recurrent state) a dict of state pools with one slot per
+running request (``recurrent.py``), a layer holding both gets both (its attention pool in the dict under
+``ATTENTION``), and a layer that caches nothing (MLP only) no pool. Separate
 tensors, so a compiled step writes each in place rather than through a view of a larger one. The drafter has one
 pool for all its layers, ``[num_layers, 2, num_slots + 2, kv_heads, head_dim]`` (written whole). A slot
 is one token position of one request; slots come in KV blocks of ``page_size`` and every request owns one
@@ -30,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 from torch.utils._pytree import tree_leaves
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, LinearAttentionCacheLayerMixin
+from transformers.cache_utils import Cache, CacheLayerMixin, DummyLayer, DynamicCache, LinearAttentionCacheLayerMixin
 
 TRASH_SLOT = -1
 ZERO_SLOT = -2
@@ -63,11 +65,12 @@ def read_slots(block_table, kv_lens, block_size):
     return torch.where(key_pos[None, :] < kv_lens[:, None], slots, ZERO_SLOT), key_pos
 
 
-def context_visibility(q_positions, ctx_lens, key_pos, causal: bool, window: int | None):
-    """Which context keys each query sees: ``[B, T, S]`` (``[B, 1, S]`` when neither causal nor windowed).
+def context_visibility(q_positions, ctx_lens, key_pos, causal: bool, window: int | None, chunk: int | None = None):
+    """Which context keys each query sees: ``[B, T, S]`` (``[B, 1, S]`` when neither causal, windowed nor chunked).
 
     Key ``p`` (``key_pos [S]``) is visible to the query at ``P = q_positions[b, i]`` iff ``p < ctx_lens[b]``,
-    and ``p <= P`` when ``causal``, and ``P - p < window`` when ``window``.
+    and ``p <= P`` when ``causal``, and ``P - p < window`` when ``window``, and ``p // chunk == P // chunk`` when
+    ``chunk`` (chunked attention: a query sees its own chunk of positions only).
     """
     kp = key_pos[None, None, :]
     visible = kp < ctx_lens[:, None, None]
@@ -75,6 +78,8 @@ def context_visibility(q_positions, ctx_lens, key_pos, causal: bool, window: int
         visible = visible & (kp <= q_positions[:, :, None])
     if window:
         visible = visible & (q_positions[:, :, None] - kp < window)
+    if chunk:
+        visible = visible & (kp // chunk == q_positions[:, :, None] // chunk)
     return visible
 
 
@@ -89,38 +94,81 @@ class AttentionLayout:
 
 @dataclass(frozen=True)
 class StateLayout:
-    """What one recurrent layer caches per request: named states (``conv0``, ``recurrent0``, ...) and their shapes."""
+    """What one recurrent layer caches per request: named states (``conv0``, ``recurrent0``, ...) and their shapes;
+    ``attention``: what it also caches per token when the same layer holds attention K/V beside its states (an SSM
+    and attention side by side, or a shared attention block in a Mamba layer); ``mixer``: the module, under the
+    target, that updated the states (the one ``recurrent.step_by_token`` runs token by token)."""
 
     states: tuple[tuple[str, tuple[int, ...], torch.dtype], ...]
+    mixer: str
+    attention: AttentionLayout | None = None
 
 
-def probe_layout(target: torch.nn.Module) -> list[AttentionLayout | StateLayout]:
+#: the key of a layer's attention pool inside its state pools (a layer caching both)
+ATTENTION = "attention"
+
+
+def probe_layout(target: torch.nn.Module) -> list[AttentionLayout | StateLayout | None]:
     """Per decoder layer, what the target caches: one forward of one token through HF's own ``DynamicCache``, whose
-    layers are read back (attention K/V shapes; conv and recurrent state shapes). Generic over families: whatever
-    the model's attention or mixer stores through HF's cache seams is what the pools are sized for."""
+    layers are read back: attention K/V shapes, conv and recurrent state shapes, both for a layer that holds both,
+    None for a layer that caches nothing (an MLP-only layer). Generic over families: whatever the model's attention
+    or mixer stores through HF's cache seams is what the pools are sized for, whatever the layers are called. The
+    module that updates each layer's states is found on the way (forward hooks around every module of the target
+    whose forward takes a cache)."""
+    from .recurrent import cache_taking_modules  # recurrent imports this module
+
     cache = DynamicCache(config=target.config)
     param = next(target.parameters())
-    with torch.no_grad():
-        target(input_ids=torch.zeros(1, 1, dtype=torch.long, device=param.device), cache=cache, use_cache=True)
+    stack: list[str] = []
+    mixers: dict[int, set[str]] = {}
+    hooks = []
+    for name, module, _ in cache_taking_modules(target):
+        hooks.append(module.register_forward_pre_hook(lambda m, a, name=name: stack.append(name)))
+        hooks.append(module.register_forward_hook(lambda m, a, o: stack.pop() and None))  # None: output unchanged
+
+    def recording(i, update):
+        def wrapped(*args, **kwargs):
+            if stack:
+                mixers.setdefault(i, set()).add(stack[-1])
+            return update(*args, **kwargs)
+        return wrapped
+
+    for i, layer in enumerate(cache.layers):
+        if isinstance(layer, LinearAttentionCacheLayerMixin):
+            for method in ("update_conv_state", "update_recurrent_state"):
+                setattr(layer, method, recording(i, getattr(layer, method)))
+    try:
+        with torch.no_grad():
+            target(input_ids=torch.zeros(1, 1, dtype=torch.long, device=param.device), cache=cache, use_cache=True)
+    except (RuntimeError, ValueError, TypeError, IndexError) as e:  # its own forward, HF's own cache: not ours
+        raise ValueError(f"the target's own forward fails on one token with transformers' DynamicCache "
+                         f"({type(e).__name__}: {e}); it cannot run as configured, with or without this wrapper "
+                         f"(target.generate fails alike)") from e
+    finally:
+        for hook in hooks:
+            hook.remove()
     layouts = []
     for i, layer in enumerate(cache.layers):
-        linear = isinstance(layer, LinearAttentionCacheLayerMixin)
         keys = getattr(layer, "keys", None) if isinstance(layer, CacheLayerMixin) else None
-        if linear and keys is not None:
-            raise NotImplementedError(f"target layer {i} caches both K/V and recurrent states ({type(layer).__name__})")
+        attention = None
         if keys is not None:
             values = layer.values
-            layouts.append(AttentionLayout(tuple(keys.shape[1:2]) + tuple(keys.shape[3:]),
-                                           tuple(values.shape[1:2]) + tuple(values.shape[3:]), keys.dtype))
-        elif linear:
+            attention = AttentionLayout(tuple(keys.shape[1:2]) + tuple(keys.shape[3:]),
+                                        tuple(values.shape[1:2]) + tuple(values.shape[3:]), keys.dtype)
+        states = []
+        if isinstance(layer, LinearAttentionCacheLayerMixin):
             states = [(f"{kind}{idx}", tuple(t.shape[1:]), t.dtype)
                       for kind, table in (("conv", layer.conv_states), ("recurrent", layer.recurrent_states))
                       for idx, t in sorted(table.items()) if t is not None]
-            if not states:
-                raise NotImplementedError(f"target layer {i} ({type(layer).__name__}) stored no state")
-            layouts.append(StateLayout(tuple(states)))
-        else:
-            raise NotImplementedError(f"target layer {i} cached nothing through HF's cache ({type(layer).__name__})")
+        if not states:
+            layouts.append(attention)  # None: the layer caches nothing
+            continue
+        found = sorted(mixers.get(i, ()))
+        if len(found) != 1:
+            raise NotImplementedError(
+                f"target layer {i} ({type(layer).__name__}) stores recurrent states, updated from "
+                f"{found or 'no module whose forward takes a cache'}; expected exactly one token mixer")
+        layouts.append(StateLayout(tuple(states), found[0], attention))
     return layouts
 
 
@@ -133,7 +181,7 @@ class PagedKVCache:
         max_batch_size: int,
         max_seq_len: int,
         page_size: int,
-        target_layout: list[AttentionLayout | StateLayout],
+        target_layout: list[AttentionLayout | StateLayout | None],
         draft_shape: tuple[int, int, int],
         dtype: torch.dtype,
         device: torch.device | str,
@@ -171,9 +219,13 @@ class PagedKVCache:
             new.narrow(dim, 0, kept).copy_(pool.narrow(dim, 0, kept))
             return new
 
+        def bigger_attention(pool):
+            return tuple(bigger(p, 0) for p in pool) if isinstance(pool, tuple) else bigger(pool, 1)
+
         self.target_pools = tuple(
-            pool if isinstance(pool, dict) else tuple(bigger(p, 0) for p in pool) if isinstance(pool, tuple)
-            else bigger(pool, 1)
+            None if pool is None
+            else {n: bigger_attention(p) if n == ATTENTION else p for n, p in pool.items()} if isinstance(pool, dict)
+            else bigger_attention(pool)
             for pool in self.target_pools
         )
         self.draft_pool = bigger(self.draft_pool, 2)
@@ -191,7 +243,7 @@ class PagedKVCache:
     @property
     def nbytes(self) -> int:
         """Bytes of all the pools (build the cache on the ``meta`` device to know them before allocating)."""
-        return sum(t.nbytes for t in tree_leaves((self.target_pools, self.draft_pool)))
+        return sum(t.nbytes for t in tree_leaves((self.target_pools, self.draft_pool)) if t is not None)
 
     def ensure(self, request: int, num_tokens: int) -> None:
         """Make ``request``'s blocks cover positions ``[0, min(num_tokens, max_seq_len))``."""
@@ -235,8 +287,13 @@ class PagedKVCache:
 
 
 def _layer_pool(layout, slots: int, state_slots: int, device):
+    if layout is None:  # the layer caches nothing
+        return None
     if isinstance(layout, StateLayout):  # one slot per running request + ZERO_SLOT, TRASH_SLOT
-        return {name: torch.zeros(state_slots, *shape, dtype=dtype, device=device) for name, shape, dtype in layout.states}
+        pools = {name: torch.zeros(state_slots, *shape, dtype=dtype, device=device) for name, shape, dtype in layout.states}
+        if layout.attention is not None:  # the same layer caches K/V too
+            pools[ATTENTION] = _layer_pool(layout.attention, slots, state_slots, device)
+        return pools
     if layout.key == layout.value:
         return torch.zeros(2, slots, *layout.key, dtype=layout.dtype, device=device)
     return (torch.zeros(slots, *layout.key, dtype=layout.dtype, device=device),
@@ -291,14 +348,17 @@ def _check_rows(pool_row, new: torch.Tensor) -> None:
 def paged_target_cache(target_pools, write: torch.Tensor, read: torch.Tensor, states=None) -> Cache:
     """An HF ``Cache`` whose layers read and write ``target_pools`` (one per layer) through slot tensors.
 
-    ``states``: a ``recurrent.StateAccess`` for targets with recurrent layers (their pools are dicts), else None."""
+    ``states``: a ``recurrent.StateAccess`` for targets with recurrent layers (their pools are dicts; one holding an
+    ``ATTENTION`` pool too makes a layer that is both), else None. A layer without a pool caches nothing."""
     flat = write.reshape(-1)
     layers = []
     for pool in target_pools:
-        if isinstance(pool, dict):
+        if pool is None:
+            layers.append(DummyLayer())
+        elif isinstance(pool, dict):
             if states is None:
                 raise ValueError("a target with recurrent layers needs state slots for its step")
-            layers.append(states.layer(pool))
+            layers.append(states.layer(pool, flat, read))
         else:
             layers.append(PagedTargetLayer(pool, flat, read))
     return Cache(layers=layers)

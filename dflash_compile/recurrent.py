@@ -1,10 +1,14 @@
-"""Recurrent-state (linear-attention) target layers over per-request state pools.
+"""Recurrent-state target layers over per-request state pools.
 
-Hybrid targets (Qwen3.5/3.6, Qwen3-Next: Gated DeltaNet layers between full-attention layers) keep, per request and
-per linear layer, a short convolution window and a recurrent state instead of a growing K/V cache. They reach HF's
-cache through ``LinearAttentionCacheLayerMixin`` (``get/update_conv_state``, ``get/update_recurrent_state``);
-``PagedStateLayer`` implements that seam over pools with one slot per running request (``kv_cache.probe_layout``
-sizes them from what HF's own cache stores), so any model written against the seam works, not a list of families.
+Hybrid targets keep, per request and per recurrent layer, states of a fixed size instead of a growing K/V cache: a
+convolution window and a recurrent state (Gated DeltaNet in Qwen3.5/3.6 and Qwen3-Next, Mamba in Jamba, Bamba,
+Granite 4 or Nemotron-H), a convolution window alone (LFM2's short convolutions), and some layers hold attention K/V
+beside them (Falcon-H1 runs attention and Mamba side by side; Zamba's hybrid layers add a shared attention block).
+They reach HF's cache through ``LinearAttentionCacheLayerMixin`` (``update_conv_state``,
+``update_recurrent_state``); ``PagedStateLayer`` implements that seam over pools with one slot per running request
+(``kv_cache.probe_layout`` sizes them from what HF's own cache stores, and finds the module that updates them), and
+``PagedHybridLayer`` adds the paged K/V of a layer that has both. So any model written against the seam works,
+whatever its layers are called, not a list of families.
 
 Rollback is the hard part. A paged K/V cache rolls back by length, but a recurrent state after the verified block
 has absorbed every drafted token, the rejected ones too, and cannot be un-absorbed. So during verify the mixer runs
@@ -33,7 +37,7 @@ from torch import nn
 from transformers.cache_utils import Cache, LinearAttentionCacheLayerMixin
 
 from .hidden_states import decoder_layers
-from .kv_cache import TRASH_SLOT, ZERO_SLOT, StateLayout
+from .kv_cache import ATTENTION, TRASH_SLOT, ZERO_SLOT, PagedTargetLayer, StateLayout
 
 _CACHE_ARGS = ("cache", "cache_params", "past_key_values")
 
@@ -48,8 +52,13 @@ class StateAccess:
         self.stepped = stepped
         self.layers: list[PagedStateLayer] = []
 
-    def layer(self, pools: dict[str, torch.Tensor]) -> PagedStateLayer:
-        layer = PagedStateLayer(pools, self.read, self.write, self.stepped)
+    def layer(self, pools: dict, write_slots: torch.Tensor, read_slots: torch.Tensor) -> PagedStateLayer:
+        """The cache layer over one layer's state pools (and its K/V pool, written at ``write_slots`` and read at
+        ``read_slots`` as ``PagedTargetLayer`` does, when the layer caches both)."""
+        if ATTENTION in pools:
+            layer = PagedHybridLayer(pools, self.read, self.write, self.stepped, write_slots, read_slots)
+        else:
+            layer = PagedStateLayer(pools, self.read, self.write, self.stepped)
         self.layers.append(layer)
         return layer
 
@@ -74,9 +83,10 @@ class PagedStateLayer(LinearAttentionCacheLayerMixin):
     is_compileable = True
 
     def __init__(self, pools: dict[str, torch.Tensor], read: torch.Tensor, write: torch.Tensor, stepped: bool):
+        pools = {name: pool for name, pool in pools.items() if name != ATTENTION}
         idxs = sorted({_split(name)[1] for name in pools})
         super().__init__(number_of_states=idxs[-1] + 1)
-        self.pools, self.write, self.stepped = pools, write, stepped
+        self.pools, self.state_write, self.stepped = pools, write, stepped
         self.steps: dict[str, list[torch.Tensor]] = {name: [] for name in pools}
         if stepped:
             for name, pool in pools.items():
@@ -110,7 +120,7 @@ class PagedStateLayer(LinearAttentionCacheLayerMixin):
             full = nn.functional.pad(full, (k - full.shape[-1], 0))
         last = full[..., -k:]
         pool = self._pool(f"conv{state_idx}", last)
-        pool[self.write] = last.to(pool.dtype)
+        pool[self.state_write] = last.to(pool.dtype)
         return full
 
     def update_recurrent_state(self, recurrent_states, state_idx: int = 0, **kwargs):
@@ -118,7 +128,7 @@ class PagedStateLayer(LinearAttentionCacheLayerMixin):
             self.recurrent_states[state_idx] = recurrent_states
             return recurrent_states
         pool = self._pool(f"recurrent{state_idx}", recurrent_states)
-        pool[self.write] = recurrent_states.to(pool.dtype)
+        pool[self.state_write] = recurrent_states.to(pool.dtype)
         return recurrent_states
 
     def end_token(self) -> None:
@@ -136,33 +146,57 @@ class PagedStateLayer(LinearAttentionCacheLayerMixin):
                 raise RuntimeError(f"recurrent state {name} was not stepped during verify")
             chosen = torch.stack(seq, dim=1)[rows, num_accepted]  # [Bk, ...]: after the bonus + accepted drafts
             pool = self.pools[name]
-            pool[self.write] = chosen.to(pool.dtype)
+            pool[self.state_write] = chosen.to(pool.dtype)
 
 
-def _mixer(layer: nn.Module, index: int) -> tuple[nn.Module, str]:
-    """The child of a recurrent decoder layer that talks to the cache: the one whose forward takes a cache."""
-    found = []
-    for child in layer.children():
-        params = inspect.signature(child.forward).parameters
-        found += [(child, name) for name in _CACHE_ARGS if name in params]
-    if len(found) != 1:
-        raise NotImplementedError(
-            f"decoder layer {index} ({type(layer).__name__}) caches recurrent states, but {len(found)} of its children "
-            f"take a cache argument; expected exactly one token mixer"
-        )
-    return found[0]
+class PagedHybridLayer(PagedStateLayer, PagedTargetLayer):
+    """A layer that caches both: its states as ``PagedStateLayer`` does, its K/V as ``PagedTargetLayer`` does (HF's
+    cache tells the two apart by these two base classes)."""
+
+    def __init__(self, pools: dict, read: torch.Tensor, write: torch.Tensor, stepped: bool, kv_write: torch.Tensor,
+                 kv_read: torch.Tensor):
+        PagedTargetLayer.__init__(self, pools[ATTENTION], kv_write, kv_read)
+        PagedStateLayer.__init__(self, pools, read, write, stepped)
+
+    def lazy_initialization(self, *args, **kwargs) -> None:
+        pass
+
+    update = PagedTargetLayer.update
+    get_mask_sizes = PagedTargetLayer.get_mask_sizes
+    get_seq_length = PagedTargetLayer.get_seq_length
+    get_max_length = PagedTargetLayer.get_max_length
+
+
+def _cache_arg(module: nn.Module) -> str | None:
+    params = inspect.signature(module.forward).parameters
+    return next((name for name in _CACHE_ARGS if name in params), None)
+
+
+def cache_taking_modules(target: nn.Module):
+    """``(qualified name, module, cache argument)`` of every module under ``target``'s decoder layers (the layers
+    included) whose forward takes a cache."""
+    layers = set(map(id, decoder_layers(target)))
+    inside = set()
+    for name, module in target.named_modules():
+        if id(module) in layers or any(name.startswith(prefix) for prefix in inside):
+            if id(module) in layers:
+                inside.add(name + ".")
+            arg = _cache_arg(module)
+            if arg is not None:
+                yield name, module, arg
 
 
 def step_by_token(target: nn.Module, layouts) -> None:
-    """Make the token mixer of every recurrent layer run one token at a time when it is handed a stepped
-    ``PagedStateLayer`` (verify), recording the states after each token; any other cache (HF's own, prefill) runs
-    the mixer unchanged. An instance-level ``forward``, installed once per module and counted per user, so that
-    ``unstep`` by one wrapper leaves it in place for another wrapper over the same target."""
-    layers = decoder_layers(target)
+    """Make the token mixer of every recurrent layer (the module that updated its states when the layout was
+    probed) run one token at a time when it is handed a stepped ``PagedStateLayer`` (verify), recording the states
+    after each token; any other cache (HF's own, prefill) runs the mixer unchanged. An instance-level ``forward``,
+    installed once per module and counted per user, so that ``unstep`` by one wrapper leaves it in place for another
+    wrapper over the same target."""
     for i, layout in enumerate(layouts):
         if not isinstance(layout, StateLayout):
             continue
-        module, cache_arg = _mixer(layers[i], i)
+        module = target.get_submodule(layout.mixer)
+        cache_arg = _cache_arg(module)
         stepped = vars(module).get("forward")
         if not getattr(stepped, "_dflash_stepped", False):
             stepped = module.forward = _stepped(module.forward, i, cache_arg)

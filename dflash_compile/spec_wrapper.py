@@ -103,23 +103,55 @@ def _policy(speculation, num_speculative_tokens: int | None, block_size: int) ->
                      f"dict or a SpeculationPolicy")
 
 
-def _target_layer_kinds(tcfg) -> tuple[tuple[str, ...] | None, int | None]:
-    """``(kinds, window)``: the attention kinds of the target's layers when they differ (one mask per kind, keyed as
-    HF keys them), else None (one mask for every layer); and the sliding window. A config with ``layer_types``
-    windows only its ``sliding_attention`` layers; one without them but with a ``sliding_window`` (Mistral)
-    windows every layer. ``linear_attention`` layers (recurrent, e.g. Gated DeltaNet) get a 2-D padding mask."""
-    window = getattr(tcfg, "sliding_window", None)
-    kinds = getattr(tcfg, "layer_types", None)
-    if kinds:
-        unknown = sorted(set(kinds) - {"full_attention", "sliding_attention", "linear_attention"})
-        if unknown:
-            raise NotImplementedError(
-                f"target layer types {unknown} are not supported (full, sliding and linear attention only)"
-            )
-        if len(set(kinds)) == 1 and "sliding_attention" not in kinds:
-            return None, None
-        return tuple(sorted(set(kinds))), window
-    return None, window
+def _mask_plan(tcfg, layouts) -> dict[str | None, tuple | None]:
+    """What each mask the target reads is, keyed as its forward reads them: ``("attention", window, chunk)`` (causal
+    visibility over the paged context, windowed or chunked), ``("padding",)`` (the 2-D padding mask that recurrent
+    layers zero left padding with) or None (read by layers that cache nothing). Key None: one mask for every layer.
+
+    A config with ``layer_types`` gets a dict, keyed as transformers keys the dict of masks its own ``generate``
+    hands a model: each layer type names its mask function(s) in ``LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING`` (a
+    ``hybrid`` layer, attention and an SSM in one, reads two masks), and the function says what the mask is. A layer
+    type transformers has no mask for is classified by what its layers cache (``layouts``, from
+    ``kv_cache.probe_layout``). Without ``layer_types`` every layer attends, windowed by ``sliding_window`` if the
+    config has one (Mistral), and one mask serves them all."""
+    from transformers import masking_utils as hf
+
+    patterns = getattr(tcfg, "layer_types", None)
+    if not patterns:
+        return {None: ("attention", getattr(tcfg, "sliding_window", None), None)}
+    built_as = {hf.create_causal_mask: ("attention", None, None),
+                hf.create_sliding_window_causal_mask: ("attention", getattr(tcfg, "sliding_window", None), None),
+                hf.create_chunked_causal_mask: ("attention", None, getattr(tcfg, "attention_chunk_size", None)),
+                hf.create_recurrent_attention_mask: ("padding",)}
+
+    def mask(pattern, fn):
+        fn = fn.func if isinstance(fn, functools.partial) else fn
+        if fn not in built_as:
+            raise NotImplementedError(f"target layer type {pattern!r}: transformers masks it with "
+                                      f"{getattr(fn, '__name__', fn)}, which this wrapper does not build")
+        return built_as[fn]
+
+    plan = {}
+    for pattern in dict.fromkeys(patterns):
+        fn = hf.LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING.get(pattern)
+        if isinstance(fn, dict):
+            for key, f in fn.items():
+                plan.setdefault(key, mask(pattern, f))
+        elif fn is not None:
+            plan[pattern] = mask(pattern, fn)
+        else:
+            cached = {type(lay).__name__ if lay is None or lay.attention is None else "both"
+                      for lay, p in zip(layouts, patterns) if p == pattern} if layouts is not None else set()
+            if cached <= {"NoneType"}:
+                plan[pattern] = None  # cache nothing: an MLP-only layer, say (or not probed yet)
+            elif cached == {"StateLayout"}:
+                plan[pattern] = ("padding",)
+            else:
+                raise NotImplementedError(f"target layer type {pattern!r} caches attention K/V, and transformers "
+                                          f"names no mask for it")
+    if len(plan) == 1 and list(plan.values()) == [("attention", None, None)]:
+        return {None: plan.popitem()[1]}  # every layer attends alike: one mask
+    return plan
 
 
 def _context_pages(buckets, max_seq_len: int, page_size: int) -> tuple[int, ...]:
@@ -235,7 +267,7 @@ class DFlashSpecWrapper(nn.Module):
         self.batch_buckets = tuple(sorted({b for b in batch_buckets if 0 < b < max_batch_size} | {max_batch_size}))
         self.context_buckets = _context_pages(context_buckets, self.max_seq_len, page_size)
         self._eager_mask = attn == "eager"
-        self._mask_kinds, self._window = _target_layer_kinds(tcfg)
+        self._masks = _mask_plan(tcfg, None)  # what each mask the target reads is (completed once probed)
         self._logits_to_keep = "logits_to_keep" in inspect.signature(target.forward).parameters
         self._cache: PagedKVCache | None = None
         self._stepping = False  # recurrent mixers run token by token (installed with the pools; close() undoes)
@@ -516,21 +548,23 @@ class DFlashSpecWrapper(nn.Module):
         return torch.where(active[:, None], tokens, -1), torch.where(active, num_accepted, 0), bonus
 
     def _target_mask(self, positions, kv_lens, key_pos, padding=None):
-        """``[Bk, 1, T, S]`` causal visibility over each row's written positions, windowed where the target's layers
-        slide (a dict per layer type for targets mixing layer kinds). Bucket-padding rows see nothing; their outputs
-        are ignored. Recurrent (``linear_attention``) layers get ``padding`` (``[Bk, T]``, True at real tokens, or
-        None), which the model uses to zero left padding before it reaches the state."""
-        kinds = self._mask_kinds or (None,)
-        masks = {kind: context_visibility(positions, kv_lens, key_pos, True,
-                                          self._window if kind in (None, "sliding_attention") else None)[:, None]
-                 for kind in kinds if kind != "linear_attention"}
-        if self._eager_mask:  # eager attention adds its mask
-            dtype = self.draft.fc.weight.dtype
-            masks = {k: torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill(~m, torch.finfo(dtype).min)
-                     for k, m in masks.items()}
-        if "linear_attention" in kinds:
-            masks["linear_attention"] = padding
-        return masks[None] if self._mask_kinds is None else masks
+        """The masks the target reads (``_mask_plan``): ``[Bk, 1, T, S]`` causal visibility over each row's written
+        positions, windowed or chunked where the layers are; ``padding`` (``[Bk, T]``, True at real tokens, or
+        None) for recurrent layers, which the model uses to zero left padding before it reaches the state.
+        Bucket-padding rows see nothing; their outputs are ignored. A dict keyed as the model reads it, or one
+        tensor for every layer."""
+        built = {}
+        for spec in dict.fromkeys(self._masks.values()):  # each distinct mask once, in a fixed order
+            if spec is None or spec == ("padding",):
+                continue
+            m = context_visibility(positions, kv_lens, key_pos, True, spec[1], spec[2])[:, None]
+            if self._eager_mask:  # eager attention adds its mask
+                dtype = self.draft.fc.weight.dtype
+                m = torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill(~m, torch.finfo(dtype).min)
+            built[spec] = m
+        built[("padding",)], built[None] = padding, None
+        masks = {key: built[spec] for key, spec in self._masks.items()}
+        return masks[None] if list(masks) == [None] else masks
 
     def _target_forward(self, ids, positions, write_ok, kv_lens, block_tables, active, target_pools, last_only=False,
                         state_slots=None, stepped=False):
@@ -624,6 +658,7 @@ class DFlashSpecWrapper(nn.Module):
             raise RuntimeError("the target moved to another device or dtype while requests are running")
         if self._layout is None or self._layout[0] != (p.device, p.dtype):  # what each target layer caches
             self._layout = ((p.device, p.dtype), probe_layout(self.target))
+            self._masks = _mask_plan(self.target.config.get_text_config(), self._layout[1])
         layout = self._layout[1]
         if not self._stepping:  # recurrent mixers run token by token in verify (recurrent.py)
             step_by_token(self.target, layout)
@@ -769,7 +804,9 @@ class DFlashSpecWrapper(nn.Module):
             bad = [t for t in p if not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"prompt {i} has token ids {bad[:5]} outside the vocabulary [0, {vocab})")
-        if len(prompts) > 1 and args.pad_token_id is None:
+        if args.pad_token_id is None and len(prompts) > 1 and (
+                (prefix is None and len({len(p) for p in prompts}) > 1) or args.stop_strings):
+            # as in HF: prompts of several lengths need a pad to be left-padded, rows that stop early one to be filled
             raise ValueError("pad_token_id (or an eos_token_id) is required to pad a batch of several prompts")
         if tokenizer is not None:
             check_tokenizer(tokenizer, self.target)

@@ -1,6 +1,8 @@
 """Targets beyond plain attention: hybrid linear-attention (Qwen3.5, Qwen3.5-MoE, Qwen3-Next: Gated DeltaNet recurrent
-states), MLA (DeepSeek-V3: K and V of different widths), gpt-oss (sinks, alternating windows, MoE) and Mistral with a
-``sliding_window`` and no ``layer_types``.
+states), short convolutions (LFM2: a conv window only), attention and Mamba-2 in one layer (Falcon-H1; Zamba2's
+layers with a shared attention block), interleaved Mamba-2 / attention / MLP-only layers (Nemotron-H: a layer that
+caches nothing), MLA (DeepSeek-V3: K and V of different widths), gpt-oss (sinks, alternating windows, MoE) and
+Mistral with a ``sliding_window`` and no ``layer_types``.
 
 Greedy output is the same whatever the drafter proposes, so each target runs with three drafters: a random one
 (nothing accepted), an always-right one (a zero LM head: every draft accepted) and an oracle right on the first
@@ -22,7 +24,9 @@ from test_batching import poisoning
 from test_sampling import LAWS, N, V, _chi_square_p, _exact_law, _sampled_counts, one_thread  # noqa: F401
 from tiny_models import VOCAB, tiny_target
 
-ARCHS = ["qwen3_5", "qwen3_5_moe", "qwen3_next", "deepseek_v3", "gpt_oss", "mistral_sliding"]
+STATEFUL = ["qwen3_5", "lfm2", "falcon_h1", "zamba2", "nemotron_h"]  # layers with conv / recurrent states
+ARCHS = ["qwen3_5", "qwen3_5_moe", "qwen3_next", "deepseek_v3", "gpt_oss", "mistral_sliding", "lfm2", "falcon_h1",
+         "zamba2", "nemotron_h"]
 HYBRID = "qwen3_5"
 B = 4  # block size
 NEW = 14
@@ -111,10 +115,40 @@ def test_pools_sized_from_what_each_layer_caches():
         "recurrent0": (3 + 2, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim),
     }
     assert pools[1].shape == (2, 3 * 4 * 8 + 2, cfg.num_key_value_heads, cfg.head_dim)
+    # Falcon-H1 layers hold attention K/V and Mamba-2 states side by side: each gets both. Nemotron-H's MLP-only
+    # layer caches nothing: no pool. LFM2's short convolutions keep a conv window and no recurrent state.
+    both = tiny_target("falcon_h1")
+    pools = DFlashSpecWrapper(both, DFlashDraftModel.from_target(both, num_layers=1, block_size=B), max_batch_size=3,
+                              max_seq_len=32, page_size=8).kv_cache().target_pools
+    assert all(sorted(p) == ["attention", "conv0", "recurrent0"] for p in pools)
+    assert pools[0]["attention"].shape == (2, 3 * 4 * 8 + 2, 2, 16) and pools[0]["recurrent0"].shape[0] == 3 + 2
+    kinds = {}
+    for arch in ("nemotron_h", "lfm2", "zamba2"):
+        target = tiny_target(arch)
+        spec = DFlashSpecWrapper(target, DFlashDraftModel.from_target(target, num_layers=1, block_size=B),
+                                 max_batch_size=3, max_seq_len=32, page_size=8)
+        kinds[arch] = [None if p is None else sorted(p) if isinstance(p, dict) else "kv"
+                       for p in spec.kv_cache().target_pools]
+    assert kinds == {"nemotron_h": [["conv0", "recurrent0"], "kv", ["conv0", "recurrent0"], None],
+                     "lfm2": [["conv0"], "kv", ["conv0"], "kv"],
+                     "zamba2": [["conv0", "recurrent0"], ["attention", "conv0", "recurrent0"]] * 2}
 
 
-def test_hybrid_compiles_to_one_graph_per_bucket():
-    target = tiny_target(HYBRID)
+# The passes' counters per family: block attention = the target's attention layers + the drafter's 2; paged
+# writes = one K/V write per target attention layer + the drafter's 3, and the Mamba-2 conv-window writes that the
+# same scatter pattern matches (a ``[slots, channels, kernel]`` pool written at 1-D slots: rewritten alike, exact).
+COMPILED_COUNTERS = {
+    "qwen3_5": {"block_attention": 4, "paged_kv_write": 5, "fused_kv_proj": 1},
+    "lfm2": {"block_attention": 4, "paged_kv_write": 5, "fused_kv_proj": 1},
+    "falcon_h1": {"block_attention": 6, "paged_kv_write": 9, "fused_kv_proj": 1},
+    "zamba2": {"block_attention": 4, "paged_kv_write": 7, "fused_kv_proj": 1},
+    "nemotron_h": {"block_attention": 3, "paged_kv_write": 4, "fused_kv_proj": 1},
+}
+
+
+@pytest.mark.parametrize("arch", STATEFUL)
+def test_stateful_targets_compile_to_one_graph_per_bucket(arch):
+    target = tiny_target(arch)
     prompts, later = _prompts(), _prompts(seed=1)
     spec, fulls = _spec(target, "oracle", prompts + later, batch_buckets=(4,), context_buckets=(96,))  # one key
     kw = dict(max_new_tokens=NEW, pad_token_id=PAD, return_dict_in_generate=True, output_drafts=True)
@@ -127,8 +161,7 @@ def test_hybrid_compiles_to_one_graph_per_bucket():
     assert out.drafts == eager.drafts and out.per_request == eager.per_request  # the same drafts, accepted alike
     check_drafting(spec.draft, prompts, fulls[:3], out)
     assert counters["stats"]["unique_graphs"] == 1
-    # The passes still fire on the full-attention layers: 2 target + 2 drafter attentions, 2 + 3 pool writes.
-    assert dict(counters["dflash"]) == {"block_attention": 4, "paged_kv_write": 5, "fused_kv_proj": 1}
+    assert dict(counters["dflash"]) == COMPILED_COUNTERS[arch]  # the passes still fire on the attention layers
     again = spec.generate(later, **kw)  # a later batch reuses the graphs
     assert counters["stats"]["unique_graphs"] == 1
     assert [again.sequences[i, again.prompt_width:].tolist() for i in range(3)] == [_reference(target, p) for p in later]
@@ -139,8 +172,9 @@ def _poison_state_slot(cache, request):
     slot = cache.state_slot(request.index)
     for pool in cache.target_pools:
         if isinstance(pool, dict):
-            for state in pool.values():
-                state[slot] = float("nan")
+            for name, state in pool.items():
+                if name != "attention":
+                    state[slot] = float("nan")
 
 
 @pytest.mark.parametrize("max_batch_size", [4, 2], ids=["together", "queued_reuse"])
@@ -161,7 +195,7 @@ class _StateAuditor(DFlashSpecWrapper):
     """After every step: the state pools changed only in live rows' slots (or the trash), never in ZERO_SLOT."""
 
     def forward(self, *inputs, state_slots=None, **kw):
-        states = [t for pool in inputs[4] if isinstance(pool, dict) for t in pool.values()]
+        states = [t for pool in inputs[4] if isinstance(pool, dict) for n, t in pool.items() if n != "attention"]
         before = [t.clone() for t in states]
         out = super().forward(*inputs, state_slots=state_slots, **kw)
         allowed = torch.zeros(states[0].shape[0], dtype=torch.bool)
@@ -175,15 +209,17 @@ class _StateAuditor(DFlashSpecWrapper):
         return out
 
 
-def test_state_writes_stay_in_own_slots():
-    target = tiny_target(HYBRID)
+@pytest.mark.parametrize("arch", STATEFUL)
+def test_state_writes_stay_in_own_slots(arch):
+    target = tiny_target(arch)
     spec = _spec(target, "random", cls=_StateAuditor, max_batch_size=4)[0]
     spec.generate(_prompts([3, 27, 9, 14, 6]), max_new_tokens=NEW, pad_token_id=PAD)
     assert spec.audited > 3
 
 
-def test_hybrid_sampling_keeps_the_targets_law(one_thread):  # noqa: F811
-    target = tiny_target(HYBRID, vocab_size=V)
+@pytest.mark.parametrize("arch", [HYBRID, "falcon_h1"])
+def test_hybrid_sampling_keeps_the_targets_law(one_thread, arch):  # noqa: F811
+    target = tiny_target(arch, vocab_size=V)
     with torch.no_grad():
         target.get_output_embeddings().weight.mul_(8)  # a peaked next-token distribution
     temperature, top_k, top_p, block_size = LAWS["top_k"]
@@ -229,3 +265,23 @@ def test_qwen3_5_checkpoint_class_with_text_prompts():
     prompts = _prompts([7, 20])
     out = spec.generate(prompts, max_new_tokens=NEW, pad_token_id=PAD)
     assert [out[i, -NEW:].tolist() for i in range(2)] == [_reference(target, p) for p in prompts]
+
+
+def test_mla_head_counts():
+    # MLA's cache holds a latent and a rotary key whatever the head counts (the pools are probed, not read from
+    # num_key_value_heads): other head counts than the default tiny target's are lossless.
+    target = tiny_target("deepseek_v3", num_attention_heads=2, num_key_value_heads=2)
+    prompts = _prompts([5, 19])
+    spec = _spec(target, "random")[0]
+    out = spec.generate(prompts, max_new_tokens=NEW, pad_token_id=PAD)
+    assert [out[i, -NEW:].tolist() for i in range(2)] == [_reference(target, p) for p in prompts]
+    # num_key_value_heads != num_attention_heads: transformers 5.24's own MLA attention repeats the K/V it has
+    # already expanded to every head (num_attention_heads // num_key_value_heads times) and fails; the wrapper
+    # says so before any work instead of failing inside a step.
+    target = tiny_target("deepseek_v3", num_key_value_heads=2)
+    with pytest.raises(RuntimeError, match="must match the size"):
+        _reference(target, prompts[0])
+    spec = _spec(target, "random")[0]
+    with pytest.raises(ValueError, match="the target's own forward fails on one token .*generate fails alike"):
+        spec.generate(prompts, max_new_tokens=NEW, pad_token_id=PAD)
+    assert spec.scheduler.idle()

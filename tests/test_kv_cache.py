@@ -47,12 +47,15 @@ def test_pool_layout_and_extra_slots():
 
 def test_pools_follow_each_layers_layout():
     mla = AttentionLayout((1, 16), (1, 8), torch.float32)  # K and V of different widths: a pool each
-    gdn = StateLayout((("conv0", (64, 4), torch.float32), ("recurrent0", (4, 8, 8), torch.float32)))
-    c = _cache(target_layout=[KV, mla, gdn], max_batch_size=3)
-    kv, (k, v), states = c.target_pools
+    gdn = StateLayout((("conv0", (64, 4), torch.float32), ("recurrent0", (4, 8, 8), torch.float32)), "mixer")
+    both = StateLayout((("conv0", (32, 4), torch.float32),), "mixer", attention=mla)  # states and K/V in one layer
+    c = _cache(target_layout=[KV, mla, gdn, both, None], max_batch_size=3)  # None: a layer that caches nothing
+    kv, (k, v), states, hybrid, nothing = c.target_pools
     assert kv.shape == (2, 3 * 3 * 4 + 2, 2, 8)
     assert (k.shape, v.shape) == ((38, 1, 16), (38, 1, 8))
     assert {n: t.shape for n, t in states.items()} == {"conv0": (5, 64, 4), "recurrent0": (5, 4, 8, 8)}  # 3 + 2
+    assert hybrid["conv0"].shape == (5, 32, 4) and [p.shape for p in hybrid["attention"]] == [(38, 1, 16), (38, 1, 8)]
+    assert nothing is None
     assert c.has_states
     assert [c.state_slot(r) for r in (10, 11, 10)] == [0, 1, 0]  # one slot per request, stable
     c.free(10)
@@ -60,6 +63,11 @@ def test_pools_follow_each_layers_layout():
     c.state_slot(13)
     with pytest.raises(RuntimeError, match="out of slots"):
         c.state_slot(14)
+    hybrid["attention"][0][5] = 7.0
+    c.grow(c.num_blocks + 2)  # a layer's K/V pool grows inside its state pools too; state pools keep their slots
+    kv, (k, v), states, hybrid, nothing = c.target_pools
+    assert k.shape[0] == v.shape[0] == kv.shape[1] == hybrid["attention"][0].shape[0] == 38 + 2 * 4
+    assert bool((hybrid["attention"][0][5] == 7.0).all()) and hybrid["conv0"].shape == (5, 32, 4) and nothing is None
 
 
 def test_allocate_grow_free():

@@ -65,6 +65,24 @@ ARCHITECTURES = {
         "eager",
     ),
     "mistral_sliding": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(sliding_window=8), "sdpa"),
+    # Layers that cache something else than attention K/V. LFM2: short-convolution layers (a conv window, no
+    # recurrent state) between attention layers.
+    "lfm2": (transformers.Lfm2Config, transformers.Lfm2ForCausalLM,
+             dict(full_attn_idxs=[1, 3], conv_L_cache=3, block_ff_dim=128, block_auto_adjust_ff_dim=False), "sdpa"),
+    # Falcon-H1: attention and a Mamba-2 mixer side by side in every layer (K/V and SSM states in one layer).
+    "falcon_h1": (transformers.FalconH1Config, transformers.FalconH1ForCausalLM,
+                  dict(head_dim=16, mamba_d_ssm=64, mamba_d_state=8, mamba_n_heads=4, mamba_d_head=16,
+                       mamba_n_groups=1, mamba_d_conv=4, mamba_expand=1, mamba_chunk_size=16), "sdpa"),
+    # Zamba2: Mamba-2 layers, some of which also run a shared attention block (both in one layer).
+    "zamba2": (transformers.Zamba2Config, transformers.Zamba2ForCausalLM,
+               dict(layers_block_type=["mamba", "hybrid", "mamba", "hybrid"], mamba_d_state=8, mamba_d_conv=4,
+                    mamba_expand=1, mamba_ngroups=1, mamba_headdim=16, n_mamba_heads=4, num_mem_blocks=1,
+                    attention_head_dim=16, chunk_size=16), "sdpa"),
+    # Nemotron-H: interleaved Mamba-2, attention and MLP-only layers (a layer that caches nothing).
+    "nemotron_h": (transformers.NemotronHConfig, transformers.NemotronHForCausalLM,
+                   dict(layers_block_type=["mamba", "attention", "mamba", "mlp"], head_dim=16, mamba_num_heads=4,
+                        mamba_head_dim=16, n_groups=1, ssm_state_size=8, conv_kernel=4, expand=1, chunk_size=16),
+                   "sdpa"),
 }
 
 
