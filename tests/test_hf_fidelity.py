@@ -26,7 +26,7 @@ def pair():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     target = tiny_target("qwen3")
-    target.generation_config.pad_token_id = PAD  # DFlash needs a pad id for a batch; HF takes the mask alone
+    target.generation_config.pad_token_id = PAD  # a pad id for the tests that finish rows early
     draft = DFlashDraftModel.from_target(target, num_layers=1, block_size=4, seed=0)
     spec = DFlashSpecWrapper(target, draft, speculation="fixed", max_batch_size=4, max_seq_len=96, page_size=8)
     yield target, spec
@@ -334,3 +334,13 @@ def test_no_mask_inferred_when_pad_is_eos(pair, eos):
 
 def test_mask_inferred_for_one_row(pair):
     _same(pair, (torch.tensor([[PAD, PAD, 5, 17, 42, 8]]), None), max_new_tokens=MAX_NEW)
+
+
+@pytest.mark.parametrize("inputs", [LEFT_PADDED, (LEFT_PADDED[0][:, 4:], None)], ids=["masked", "unpadded"])
+def test_tensor_batch_without_pad_or_eos(pair, inputs):
+    # The tensor is the output's prefix as given, so nothing needs a pad id: HF runs it, and so do we. (A list of
+    # prompts of several lengths does need one, to left-pad them.)
+    with _config(pair[0], pad_token_id=None, eos_token_id=None):
+        _same(pair, inputs, max_new_tokens=MAX_NEW)
+        with pytest.raises(ValueError, match="pad_token_id .* is required to pad a batch"):
+            pair[1].generate([[5, 17, 42], [8]], max_new_tokens=MAX_NEW)
