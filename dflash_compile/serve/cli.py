@@ -5,7 +5,7 @@
     dflash-serve --target TARGET_DIR --speculative-config '{"method": "dflash", "model": "DRAFT_DIR"}'
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics. Bad arguments
-are one line on stderr and exit status 2, checked before torch is imported. See docs/serving.md.
+are one line on stderr and exit status 2, checked before the pair is loaded. See docs/serving.md.
 """
 
 from __future__ import annotations
@@ -169,7 +169,8 @@ def url(sock: socket.socket) -> str:
 
 def serve(engine, sock: socket.socket, *, api_key: str | None = None, log_level: str = "info") -> None:
     """Serve ``engine`` on ``sock`` until SIGINT/SIGTERM (uvicorn's handlers), then stop: requests still running
-    after ``SHUTDOWN_GRACE_S`` are cancelled, and the wrapper is closed once its scheduler is idle."""
+    after ``SHUTDOWN_GRACE_S`` are cancelled, and this returns once the wrapper's scheduler is idle (the wrapper stays
+    open; a graph still compiling in the background is left to its daemon thread)."""
     import uvicorn
 
     from .app import create_app
@@ -183,8 +184,6 @@ def serve(engine, sock: socket.socket, *, api_key: str | None = None, log_level:
         deadline = time.monotonic() + SHUTDOWN_GRACE_S
         while not engine.spec.scheduler.idle() and time.monotonic() < deadline:
             time.sleep(0.05)
-        if engine.spec.scheduler.idle():
-            engine.spec.close()
 
 
 def main(argv=None) -> None:
