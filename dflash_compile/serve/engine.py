@@ -27,6 +27,8 @@ class Engine:
                  metrics: Metrics | None = None):
         if max_queued < 0:
             raise ValueError(f"max_queued must be >= 0, got {max_queued}")
+        if spec.tp is not None:  # every rank would have to submit the same requests in the same order
+            raise ValueError("serving a tensor-parallel (multi-rank) target is not supported")
         self.spec, self.tokenizer, self.model_name = spec, tokenizer, model_name
         self.max_queued = max_queued
         self.chat_template = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
