@@ -84,9 +84,10 @@ class Engine:
         if params.max_tokens is None:
             return room
         if params.max_tokens > room:
-            raise invalid(request.max_tokens_field, f"this model's maximum context length is {self.max_model_len} tokens; "
-                                        f"{prompt_len + params.max_tokens} were requested ({prompt_len} in the prompt, "
-                                        f"{params.max_tokens} to generate)", code="context_length_exceeded")
+            raise invalid(request.max_tokens_field,
+                          f"this model's maximum context length is {self.max_model_len} tokens; "
+                          f"{prompt_len + params.max_tokens} were requested ({prompt_len} in the prompt, "
+                          f"{params.max_tokens} to generate)", code="context_length_exceeded")
         return params.max_tokens
 
     def start(self, request: ParsedRequest, arrival: float) -> Generation:

@@ -78,6 +78,7 @@ _NEUTRAL = {  # field -> the values that mean "not used"
     "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logit_bias": ({},), "best_of": (1,),
     "echo": (False,), "suffix": ("",), "top_logprobs": (0,), "tools": ([],), "functions": ([],),
     "tool_choice": ("none",), "parallel_tool_calls": (False, True), "function_call": ("none",),
+    "logprobs": (False, 0), "response_format": ({"type": "text"},),
 }
 
 
@@ -98,12 +99,9 @@ def parse_request(body: dict, chat: bool) -> ParsedRequest:
     unknown = sorted(set(body) - known)
     if unknown:
         raise invalid(unknown[0], f"unrecognized request argument(s): {', '.join(unknown)}")
-    for name, neutral in _NEUTRAL.items():
-        if body.get(name) is not None and name in known and body[name] not in neutral:
+    for name, neutral in _NEUTRAL.items():  # fields of the other route were refused as unknown above
+        if body.get(name) is not None and body[name] not in neutral:
             raise invalid(name, f"{name}={json.dumps(body[name])} is not supported by this server")
-    if body.get("logprobs") not in (None, False) or (chat and body.get("response_format") not in (None, {"type": "text"})):
-        name = "logprobs" if body.get("logprobs") not in (None, False) else "response_format"
-        raise invalid(name, f"{name}={json.dumps(body[name])} is not supported by this server")
     model = _optional(body, "model", str, "a string")
     if _integer(body, "n", 1) != 1:
         raise invalid("n", f"n must be 1 (one choice per request), got {body['n']}")
