@@ -50,7 +50,7 @@ CPU_INDUCTOR_OPTIONS = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True,
 #: ``reorder_for_locality`` moved the kernel that adds the last decoder layer's MLP output into the residual stream
 #: ahead of that output's in-place all-reduce, so it read this rank's partial sum (greedy tokens diverged from the
 #: eager step's within 12 tokens on a tiny Qwen3 over two gloo ranks; ``tests/test_tensor_parallel.py``).
-COLLECTIVE_INDUCTOR_OPTIONS = {"cpp_wrapper": False, "reorder_for_locality": False}
+COLLECTIVE_INDUCTOR_OPTIONS = {"cpp_wrapper": False, "reorder_for_locality": False}  # see also distributed.waited_collectives
 _said: set[str] = set()
 
 
@@ -260,7 +260,10 @@ def _inductor(gm, example_inputs, options):
         node.meta.pop("val", None)
     opts = inductor_options(kinds, options)
     if _collectives(gm):  # a tensor-parallel step: Inductor's defaults that break it, unless ``options`` set them
+        from .distributed import waited_collectives
+
         opts.update({**COLLECTIVE_INDUCTOR_OPTIONS, **(options or {})})
+        counters["dflash"]["waited_collectives"] += waited_collectives(gm)  # complete before any read
     with inductor_config.patch(opts):
         return compile_fx(gm, example_inputs)
 

@@ -116,3 +116,70 @@ class TensorParallel:
 def digest(text: str) -> int:
     """A signed 64-bit digest of ``text``."""
     return struct.unpack("<q", hashlib.sha256(text.encode()).digest()[:8])[0]
+
+
+# ------------------------------------------------------------------ collectives in compiled step graphs
+# A tensor-parallel step graph holds functional collectives: ``y = all_reduce(x)`` ... ``wait_tensor(y)``. Inductor
+# lowers each to an in-place collective on a buffer that completes at the wait, and on torch 2.13 it scheduled reads
+# of such a buffer before its wait: with ``reorder_for_locality`` (a kernel read a partial sum, see
+# ``backends.COLLECTIVE_INDUCTOR_OPTIONS``) and, without it, at batch 16 on a 166 M Qwen3 over two gloo ranks (the
+# 8-token verify's tokens diverged from the eager step's within 1 to 6 tokens on every row; batch 1 and smaller
+# models were exact). ``waited_collectives`` fuses each collective with its wait into one opaque op that returns a
+# new tensor, so nothing can read the result before the collective completes. What it gives up is overlapping a
+# collective with unrelated compute, which a step has little of (each layer needs its all-reduce's result next).
+
+@torch.library.custom_op("dflash::all_reduce_waited", mutates_args=())
+def all_reduce_waited(x: torch.Tensor, reduce_op: str, group_name: str) -> torch.Tensor:
+    out = torch.ops._c10d_functional.all_reduce(x, reduce_op, group_name)
+    return torch.ops._c10d_functional.wait_tensor(out)
+
+
+@all_reduce_waited.register_fake
+def _(x, reduce_op, group_name):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("dflash::all_gather_into_tensor_waited", mutates_args=())
+def all_gather_into_tensor_waited(x: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
+    out = torch.ops._c10d_functional.all_gather_into_tensor(x, group_size, group_name)
+    return torch.ops._c10d_functional.wait_tensor(out)
+
+
+@all_gather_into_tensor_waited.register_fake
+def _(x, group_size, group_name):
+    return x.new_empty((x.shape[0] * group_size, *x.shape[1:]))
+
+
+_WAITED = {
+    torch.ops._c10d_functional.all_reduce.default: torch.ops.dflash.all_reduce_waited.default,
+    torch.ops._c10d_functional.all_gather_into_tensor.default: torch.ops.dflash.all_gather_into_tensor_waited.default,
+}
+
+
+def waited_collectives(gm: torch.fx.GraphModule) -> int:
+    """Replace, in place, every functional all-reduce / all-gather of ``gm`` and its ``wait_tensor`` by one
+    ``dflash.*_waited`` op; -> how many. Any other functional collective is an error (not lowered safely)."""
+    wait = torch.ops._c10d_functional.wait_tensor.default
+    done = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        if node.target.namespace != "_c10d_functional" or node.target == wait:
+            continue
+        waited = _WAITED.get(node.target)
+        if waited is None:
+            raise NotImplementedError(f"dflash: the step graph holds {node.target}, a collective this backend does "
+                                      f"not compile (all-reduce and all-gather only)")
+        with gm.graph.inserting_before(node):
+            new = gm.graph.call_function(waited, node.args, node.kwargs)
+        new.meta = dict(node.meta)
+        for user in list(node.users):
+            if user.op == "call_function" and user.target == wait:
+                user.replace_all_uses_with(new)
+                gm.graph.erase_node(user)
+            else:  # read before its wait in the traced program: keep that read on the waited result too
+                user.replace_input_with(node, new)
+        gm.graph.erase_node(node)
+        done += 1
+    gm.recompile()
+    return done

@@ -347,7 +347,7 @@ class Scheduler:
         for r in incoming if not tp else ():
             if r.cancelled:
                 r.finish_reason = "cancelled"
-                r.handle._finish()
+                self._finish(r)  # like every other end: its streamer ends too
         batch = self.batch
         if batch is not None:
             for i in range(len(batch.rows) - 1, -1, -1):

@@ -6,6 +6,7 @@ import textwrap
 from collections import Counter
 
 import expecttest
+import pytest
 import torch
 
 from dflash_compile import DFlashDraftModel, DFlashSpecWrapper
@@ -121,3 +122,47 @@ def forward(self, arg0_1, arg1_1, arg2_1, arg3_1):
     for got, want in zip(compiled(x, w, idx), f(x, w, idx)):
         torch.testing.assert_close(got, want)
     assert counters["dflash"]["subclass_graphs"] == 1 and counters["dflash"]["collectives"] == 0
+
+
+def test_collectives_fused_with_their_waits():
+    """``distributed.waited_collectives``: each functional all-reduce / all-gather and its ``wait_tensor`` become one
+    ``dflash.*_waited`` op returning a new tensor (nothing can read the result before the collective completes);
+    the graph computes what it did. On a one-rank gloo group, in this process."""
+    import torch.distributed as dist
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from dflash_compile.distributed import waited_collectives
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        name = dist.group.WORLD.group_name
+        c10d = torch.ops._c10d_functional
+
+        def f(x):
+            s = c10d.wait_tensor(c10d.all_reduce(x * 2, "sum", name))
+            g = c10d.wait_tensor(c10d.all_gather_into_tensor(s + 1, 1, name))
+            return g.relu()
+
+        gm = make_fx(f)(torch.randn(3, 4))
+        x = torch.randn(3, 4)
+        want = gm(x)
+        assert waited_collectives(gm) == 2
+        code = gm.code.strip().replace(repr(name), "GROUP")
+        expecttest.TestCase().assertExpectedInline(code, """\
+def forward(self, x_1):
+    mul = torch.ops.aten.mul.Tensor(x_1, 2);  x_1 = None
+    all_reduce_waited_default = torch.ops.dflash.all_reduce_waited.default(mul, 'sum', GROUP);  mul = None
+    add = torch.ops.aten.add.Tensor(all_reduce_waited_default, 1);  all_reduce_waited_default = None
+    all_gather_into_tensor_waited_default = torch.ops.dflash.all_gather_into_tensor_waited.default(add, 1, GROUP);  add = None
+    relu = torch.ops.aten.relu.default(all_gather_into_tensor_waited_default);  all_gather_into_tensor_waited_default = None
+    return relu""")
+        torch.testing.assert_close(gm(x), want)
+        from torch._inductor.compile_fx import compile_fx
+        torch.testing.assert_close(compile_fx(gm, [x])(x), want)  # Inductor calls the fused ops
+        reduce_scatter = make_fx(lambda x: c10d.wait_tensor(c10d.reduce_scatter_tensor(x, "sum", 1, name)))(x)
+        with pytest.raises(NotImplementedError, match="reduce_scatter_tensor"):
+            waited_collectives(reduce_scatter)
+    finally:
+        dist.destroy_process_group()

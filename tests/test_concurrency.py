@@ -174,6 +174,33 @@ def test_submit_iterates_tokens_as_accepted_and_cancel_frees_blocks():
     spec.close()
 
 
+def test_a_request_cancelled_while_queued_ends_its_streamer():
+    _, spec = _pair(max_batch_size=1)
+
+    class Streamer:
+        ended = 0
+
+        def put(self, value):
+            pass
+
+        def end(self):
+            self.ended += 1
+
+    running = spec.submit(_prompts([5])[0], max_new_tokens=60)
+    next(iter(running))  # the batch (of one) is full: the next request waits
+    streamer = Streamer()
+    queued = spec.submit(_prompts([7])[0], max_new_tokens=4, streamer=streamer)
+    queued.cancel()
+    running.cancel()
+    for handle in (running, queued):
+        with pytest.raises(CancelledError):
+            handle.result(timeout=60)
+    assert streamer.ended == 1  # as for a request cancelled while it runs
+    _wait_idle(spec)
+    assert _all_free(spec)
+    spec.close()
+
+
 def test_close_refuses_while_requests_run():
     _, spec = _pair()
     handle = spec.submit(_prompts([5])[0], max_new_tokens=60)

@@ -106,6 +106,8 @@ def test_greedy_identity_eager_and_compiled(tmp_path, kind):
             assert res["passes"]["collectives"] > graphs * per_graph, res["passes"]
         else:
             assert res["passes"]["collectives"] == graphs * per_graph, res["passes"]
+        # every one fused with its wait before Inductor (distributed.waited_collectives)
+        assert res["passes"]["waited_collectives"] == res["passes"]["collectives"], res["passes"]
     assert ranks[0]["eager_step_ks"] == ranks[1]["eager_step_ks"]  # rank 0's choice of K, every step
 
 
