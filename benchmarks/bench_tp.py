@@ -1,7 +1,11 @@
-"""Tensor-parallel generation on CPU: one process against two gloo ranks, greedy, batch 1.
+"""Tensor-parallel generation on CPU: one process against two gloo ranks, greedy, at one batch size.
 
-    python benchmarks/bench_tp.py [--layers 8] [--prompts 2] [--prompt-len 64] [--max-new 64] [--repeats 3] \\
-        [--configs 1x1,1x2,2x1] [--out benchmarks/results]
+    python benchmarks/bench_tp.py [--layers 8] [--batch 1] [--prompts 2] [--prompt-len 64] [--max-new 64] \\
+        [--repeats 3] [--configs 1x1,1x2,2x1] [--out benchmarks/results] [--name bench_tp]
+
+At batch 1 a step reads every weight for one token and is bound by memory bandwidth; ``--batch 16 --prompts 16``
+(``--name bench_tp_b16``) makes each step do 16 (plain) or 128 (K = 7 verify) rows of work per weight read, which is
+bound by arithmetic, where splitting the work over two cores can pay.
 
 The target is a randomly initialised Qwen3 built from a config (seeded; by default hidden 1024, 8 layers, 16 heads,
 8 KV heads, head_dim 64, MLP 3072, vocabulary 32000, untied LM head: 166 M parameters, fp32; 8 layers rather than 12
@@ -24,8 +28,9 @@ Methods, in every configuration: ``hf_greedy`` (``target.generate(do_sample=Fals
 wrapper with ``num_speculative_tokens=0``: plain decoding through our compiled step) and ``dflash_k7``
 (``speculation="fixed"``, ``num_speculative_tokens=7``). Both wrappers are compiled with ``backend="dflash"``
 (graphs saved in ``build/bench_tp/cache/<config>``, so a rerun loads them; the 2-rank configuration's are never
-saved, see docs/distributed.md) and precompiled for batch 1 before anything is timed. Each method runs the ``--prompts`` random prompts one after another (batch 1, ``--max-new`` new
-tokens each, no eos); one untimed warm-up round, then ``--repeats`` rounds each running every method once in turn;
+saved, see docs/distributed.md) and precompiled for ``--batch`` before anything is timed. Each method runs the
+``--prompts`` random prompts (all of one length, so no padding) in batches of ``--batch``, one batch after another
+(``--max-new`` new tokens each, no eos); one untimed warm-up round, then ``--repeats`` rounds each running every method once in turn;
 each figure is the median round. Ranks start every round together (a barrier) and rank 0 times it.
 
 Identity: every output of every configuration, warm-up and timed rounds, is compared token for token with the
@@ -210,16 +215,16 @@ def worker(args) -> None:
     for m, k in SPECS.items():
         # a fresh drafter (the same seeded weights) for each wrapper: a tensor-parallel wrapper splits its drafter
         draft = DFlashDraftModel.from_target(target, num_layers=1, block_size=8, target_layer_ids=ids, seed=0)
-        spec = DFlashSpecWrapper(target, draft, num_speculative_tokens=k, speculation="fixed", max_batch_size=1,
-                                 max_seq_len=cache_len)
+        spec = DFlashSpecWrapper(target, draft, num_speculative_tokens=k, speculation="fixed",
+                                 max_batch_size=args.batch, max_seq_len=cache_len)
         if distributed and spec.tp is None:
             raise RuntimeError("the target was loaded with tp_plan='auto' but the wrapper sees no DTensor weights")
         # one cache per configuration: a graph saved at one thread count is refused by its guards at another
         # (torch's global-state guard on the intra-op thread count) and compiled again
-        spec.compile(backend="dflash", cache_dir=Path(args.cache_dir) / args.name)
+        spec.compile(backend="dflash", cache_dir=Path(args.cache_dir) / args.config)
         before, events_before = len(counter.graphs), len(spec._steps.events)
         t1 = time.perf_counter()
-        report = spec.precompile(batch_sizes=[1], progress=False)
+        report = spec.precompile(batch_sizes=[args.batch], progress=False)
         compile_info[m] = {"graphs": {k_: list(v) for k_, v in report.items()},
                            "seconds": round(time.perf_counter() - t1, 1),
                            "drafter_split_over": list(getattr(draft, "split_over", None) or []) or None}
@@ -227,7 +232,7 @@ def worker(args) -> None:
         if rank == 0:  # the other ranks' graphs are the same but for their shards
             compile_info[m]["collectives"] = step_collectives(spec, counter, before, events_before,
                                                               Path(args.collectives_store))
-            print(f"[{args.name}] {m}: {report}", flush=True)
+            print(f"[{args.config}] {m}: {report}", flush=True)
     barrier()
 
     prompts = make_prompts(args)
@@ -235,14 +240,15 @@ def worker(args) -> None:
 
     def run(m):
         rows, steps, accepted, drafts, gathers = [], 0, 0, 0, counter.host_gathers
-        for p in prompts:
-            x = torch.tensor([p])
+        for b in range(0, len(prompts), args.batch):
+            x = torch.tensor(prompts[b:b + args.batch])
             if m == "hf_greedy":
-                seq = target.generate(x, do_sample=False, max_new_tokens=args.max_new)
-                rows.append(seq[0, len(p):].tolist())
+                seq = target.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                                      max_new_tokens=args.max_new)
+                rows += seq[:, x.shape[1]:].tolist()
             else:
                 out = specs[m].generate(x, max_new_tokens=args.max_new, return_dict_in_generate=True)
-                rows.append(out.sequences[0, len(p):].tolist())
+                rows += out.sequences[:, x.shape[1]:].tolist()
                 steps += sum(r.num_steps for r in out.per_request)
                 accepted += out.num_accepted_tokens
                 drafts += out.num_drafts
@@ -267,7 +273,7 @@ def worker(args) -> None:
                 else:
                     runs[m]["seconds"].append(took[m])
             if rank == 0:
-                print(f"[{args.name}] {'warm-up' if rnd == 0 else f'round {rnd}'}: "
+                print(f"[{args.config}] {'warm-up' if rnd == 0 else f'round {rnd}'}: "
                       + ", ".join(f"{m} {s:.2f} s" for m, s in took.items()), flush=True)
     barrier()
     for spec in specs.values():
@@ -283,7 +289,7 @@ def worker(args) -> None:
                    "outputs": r["outputs"][0], "same_every_round": stable, **r["info"]}
         if m in compile_info:
             rows[m]["compile"] = compile_info[m]
-    result = {"config": args.name, "ranks": world, "threads_per_rank": args.threads,
+    result = {"config": args.config, "batch": args.batch, "ranks": world, "threads_per_rank": args.threads,
               "torch_threads": torch.get_num_threads(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
               "tensor_parallel": distributed, "target_layers": layers, "draft_layers": 1, "draft_target_layer_ids": ids,
               "load_seconds": round(load_s, 1), "methods": rows}
@@ -303,7 +309,7 @@ def machine() -> str:
 
 
 def worker_args(args) -> list[str]:
-    keep = ("hidden", "layers", "heads", "kv_heads", "head_dim", "intermediate", "vocab", "seed", "prompts",
+    keep = ("hidden", "layers", "heads", "kv_heads", "head_dim", "intermediate", "vocab", "seed", "batch", "prompts",
             "prompt_len", "max_new", "repeats", "target_dir", "cache_dir", "collectives_store")
     out = []
     for k in keep:
@@ -321,10 +327,10 @@ def launch(args) -> dict:
                "target_params": params, "configs": {}, "wall_seconds": {}}
     for name in args.configs:
         ranks, threads = CONFIGS[name]
-        out = (WORK / f"worker-{name}.json").relative_to(REPO)
+        out = (WORK / f"worker-{args.name}-{name}.json").relative_to(REPO)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.unlink(missing_ok=True)
-        cmd = [str(Path(__file__).resolve().relative_to(REPO)), "--worker", "--name", name, "--threads", str(threads),
+        cmd = [str(Path(__file__).resolve().relative_to(REPO)), "--worker", "--config", name, "--threads", str(threads),
                "--worker-out", str(out), *worker_args(args)]
         if ranks > 1:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
@@ -353,7 +359,7 @@ def launch(args) -> dict:
 def _graph_counts(c: dict, m: str) -> dict | None:
     """Collectives of method ``m``'s step graph in config ``c`` (None where not counted)."""
     graphs = c["methods"][m].get("compile", {}).get("collectives", {})
-    if len(graphs) != 1 or None in graphs.values():  # batch 1, one K: one step graph per wrapper
+    if len(graphs) != 1 or None in graphs.values():  # one batch bucket, one K: one step graph per wrapper
         return None
     return next(iter(graphs.values()))
 
@@ -376,15 +382,18 @@ def markdown(results) -> str:
     a, configs = results["args"], results["configs"]
     names = list(configs)
     lines = [f"# Tensor-parallel generation on CPU ({results['machine']})", "",
-             "Command: `OMP_NUM_THREADS=1 python benchmarks/bench_tp.py` (the launcher sets `OMP_NUM_THREADS` per "
-             "configuration).", "",
+             "Command: `OMP_NUM_THREADS=1 python benchmarks/bench_tp.py"
+             + (f" --batch {a['batch']} --prompts {a['prompts']}" if a.get("batch", 1) > 1 else "")
+             + (f" --max-new {a['max_new']}" if a["max_new"] != 64 else "")
+             + (f" --name {a['name']}" if a["name"] != "bench_tp" else "")
+             + "` (the launcher sets `OMP_NUM_THREADS` per configuration).", "",
              f"Target: random Qwen3, {results['target_params'] / 1e6:.1f} M parameters, fp32 (hidden {a['hidden']}, "
              f"{a['layers']} layers, {a['heads']} heads / {a['kv_heads']} KV heads of {a['head_dim']}, MLP "
              f"{a['intermediate']}, vocabulary {a['vocab']}, untied LM head). Drafter: random (seeded), 1 layer, "
              "block 8, reading target layers " + str(next(iter(configs.values()))["draft_target_layer_ids"])
-             + ". Greedy, batch 1: "
-             f"{a['prompts']} random prompts of {a['prompt_len']} tokens, {a['max_new']} new tokens each (no eos), "
-             f"run one after another; tokens/s of the median of {a['repeats']} timed rounds after one untimed warm-up "
+             + ". Greedy, batch "
+             f"{a.get('batch', 1)}: {a['prompts']} random prompts of {a['prompt_len']} tokens, {a['max_new']} new "
+             f"tokens each (no eos), in batches of {a.get('batch', 1)} one after another; tokens/s of the median of {a['repeats']} timed rounds after one untimed warm-up "
              "round. Ranks x threads: `1xN` is one plain process (no `tp_plan`, no process group); `2x1` is "
              "`torchrun --nproc-per-node 2`, the target split by `tp_plan=\"auto\"` over gloo. Ours are compiled "
              "(`backend=\"dflash\"`) and precompiled before timing; `hf_greedy` is `target.generate(do_sample=False)`, "
@@ -415,7 +424,7 @@ def markdown(results) -> str:
     if tp:
         split = {n: configs[n]["methods"]["dflash_k7"]["compile"].get("drafter_split_over") for n in tp}
         lines += ["Collectives per step of our compiled step (the functional collectives in the step graph as the "
-                  "`dflash` backend hands it to Inductor, waits excluded; one graph per wrapper at batch 1). The TP "
+                  "`dflash` backend hands it to Inductor, waits excluded; one graph per wrapper). The TP "
                   "plan splits the target's q/k/v, gate/up by columns and o_proj, down_proj by rows (one all-reduce "
                   "each per layer), the embedding by vocabulary rows (an all-reduce of each lookup, counted apart as "
                   "`all_reduce (embedding)`: the target's and, when it proposes, the drafter's, which borrows it) and "
@@ -444,7 +453,8 @@ def markdown(results) -> str:
     lines += ["Wall time per configuration (load, compile or cache load, warm-up, timed rounds): "
               + ", ".join(f"{n} {s:.0f} s" for n, s in results["wall_seconds"].items() if n != "total")
               + f"; whole benchmark {results['wall_seconds']['total']:.0f} s.", ""]
-    lines += ["Compile per configuration (`dflash_k0` / `dflash_k7` step graph at batch 1: compiled or loaded, "
+    lines += [f"Compile per configuration (`dflash_k0` / `dflash_k7` step graph at batch {a.get('batch', 1)}: "
+              "compiled or loaded, "
               "seconds): " + "; ".join(
                   f"{n} " + " / ".join(f"{how} {s:.0f} s" for m in SPECS
                                        for how, s in configs[n]["methods"][m]["compile"]["graphs"].values())
@@ -466,7 +476,8 @@ def main():
     p.add_argument("--target-layer-ids", type=lambda s: [int(x) for x in s.split(",")], default=None,
                    help="the target layers the drafter reads (default: 1, layers // 2, layers - 2)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--prompts", type=int, default=2)
+    p.add_argument("--batch", type=int, default=1, help="rows per generate call (and the precompiled bucket)")
+    p.add_argument("--prompts", type=int, default=2, help="a multiple of --batch")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--max-new", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
@@ -475,7 +486,8 @@ def main():
     p.add_argument("--cache-dir", default=str((WORK / "cache").relative_to(REPO)))
     p.add_argument("--collectives-store", default=str((WORK / "collectives.json").relative_to(REPO)))
     p.add_argument("--out", default="benchmarks/results")
-    p.add_argument("--name", default="bench_tp", help="launcher: output files NAME.{json,md}; worker: the config")
+    p.add_argument("--name", default="bench_tp", help="output files NAME.{json,md} under --out")
+    p.add_argument("--config", help=argparse.SUPPRESS)  # worker: its configuration
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--worker-out", help=argparse.SUPPRESS)
@@ -484,6 +496,8 @@ def main():
     if args.worker:
         worker(args)
         return
+    if args.batch < 1 or args.prompts % args.batch:
+        raise SystemExit(f"--prompts ({args.prompts}) must be a positive multiple of --batch ({args.batch})")
     args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = sorted(set(args.configs) - set(CONFIGS))
     if unknown:
