@@ -370,21 +370,32 @@ class DFlashDraftModel(nn.Module):
         ``sliding_window``.
         """
         tcfg = target.config.get_text_config()
-        num_target_layers = tcfg.num_hidden_layers
-        head_dim = getattr(tcfg, "head_dim", None) or tcfg.hidden_size // tcfg.num_attention_heads
+        num_target_layers = _positive_int(tcfg, "num_hidden_layers")
+        if num_target_layers is None:
+            from .hidden_states import decoder_layers
+
+            num_target_layers = len(decoder_layers(target))
+        hidden = tcfg.hidden_size  # the drafter reads the target's hidden states and shares its vocabulary
+        # The drafter's own shape follows the target's where the target has one (a trained drafter usually does),
+        # else a plain one: targets without attention heads (Mamba, RWKV) or a single MLP width (per-layer lists).
+        heads = _positive_int(tcfg, "num_attention_heads") or max(1, hidden // 64)
+        kv_heads = _positive_int(tcfg, "num_key_value_heads") or heads
+        if heads % kv_heads:
+            kv_heads = heads
+        head_dim = _positive_int(tcfg, "head_dim") or hidden // heads
         rope = _full_attention_rope(tcfg)
         layer_types = overrides.pop("layer_types", ["full_attention"] * num_layers)
         sliding_window = overrides.pop("sliding_window", None)
         arch = dict(
             vocab_size=tcfg.vocab_size,
-            hidden_size=tcfg.hidden_size,
-            intermediate_size=tcfg.intermediate_size,
+            hidden_size=hidden,
+            intermediate_size=_positive_int(tcfg, "intermediate_size") or 4 * hidden,
             num_hidden_layers=num_layers,
-            num_attention_heads=tcfg.num_attention_heads,
-            num_key_value_heads=getattr(tcfg, "num_key_value_heads", None) or tcfg.num_attention_heads,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=getattr(tcfg, "rms_norm_eps", 1e-6),
-            max_position_embeddings=tcfg.max_position_embeddings,
+            rms_norm_eps=getattr(tcfg, "rms_norm_eps", None) or 1e-6,
+            max_position_embeddings=_positive_int(tcfg, "max_position_embeddings") or 32768,
             rope_parameters=rope,
             layer_types=list(layer_types),
             sliding_window=sliding_window,
@@ -566,11 +577,24 @@ def _safetensors(f: Path):
         raise ValueError(f"cannot read {f} (truncated or not a safetensors file?): {e}") from None
 
 
+def _positive_int(cfg, name: str) -> int | None:
+    """``cfg.name`` when it is one positive integer (not None, not a per-layer list), else None."""
+    value = getattr(cfg, name, None)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
 def _full_attention_rope(tcfg) -> dict:
-    rope = getattr(tcfg, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0}
-    if "full_attention" in rope and isinstance(rope["full_attention"], dict):  # per-layer-type (Gemma3)
+    """The drafter's rotary embedding: the target's full-attention one where it has one, else RoPE with theta 1e4."""
+    default = {"rope_type": "default", "rope_theta": 10000.0}
+    rope = getattr(tcfg, "rope_parameters", None) or default
+    if isinstance(rope.get("full_attention"), dict):  # per-layer-type (Gemma3)
         rope = rope["full_attention"]
-    return dict(rope)
+    elif rope and all(isinstance(v, dict) for v in rope.values()):  # per layer type, with no full_attention entry
+        rope = default
+    rope = dict(rope)
+    if rope.get("rope_type", "default") == "default" and not isinstance(rope.get("rope_theta"), (int, float)):
+        rope["rope_theta"] = 10000.0
+    return rope
 
 
 def _qwen3_config(raw: dict, dflash: DFlashConfig) -> Qwen3Config:

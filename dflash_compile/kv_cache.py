@@ -142,8 +142,8 @@ def probe_layout(target: torch.nn.Module) -> list[AttentionLayout | StateLayout 
             target(input_ids=torch.zeros(1, 1, dtype=torch.long, device=param.device), cache=cache, use_cache=True)
     except (RuntimeError, ValueError, TypeError, IndexError) as e:  # its own forward, HF's own cache: not ours
         raise ValueError(f"the target's own forward fails on one token with transformers' DynamicCache "
-                         f"({type(e).__name__}: {e}); it cannot run as configured, with or without this wrapper "
-                         f"(target.generate fails alike)") from e
+                         f"({type(e).__name__}: {e}): it does not run over transformers' generic cache as configured "
+                         f"(its own generate may use a cache class of its own, or fail too)") from e
     finally:
         for hook in hooks:
             hook.remove()

@@ -272,6 +272,7 @@ class DFlashSpecWrapper(nn.Module):
         self._cache: PagedKVCache | None = None
         self._stepping = False  # recurrent mixers run token by token (installed with the pools; close() undoes)
         self._layout = None  # ((device, dtype), what each target layer caches: kv_cache.probe_layout)
+        self._checked = None  # the (device, dtype) the paged forward was checked on (``_check_paged_forward``)
         self.max_cache_bytes = max_cache_bytes
         self.policy = _policy(speculation, num_speculative_tokens, self.block_size)
         self.speculative_ks = self.policy.ks(self.block_size)
@@ -681,8 +682,80 @@ class DFlashSpecWrapper(nn.Module):
             return c
         self._cache = None  # the old pools go first: the new ones are checked against the memory left
         self._check_pool_bytes(need, num_blocks, p.device)
+        if self._checked != self._layout[0]:  # on small pools of its own, before the real ones exist
+            self._check_paged_forward(functools.partial(pools, device=p.device))
+            self._checked = self._layout[0]
         self._cache = pools(device=p.device)
         return self._cache
+
+    @torch.no_grad()
+    def _check_paged_forward(self, make_pools) -> None:
+        """Before any work: the target over the paged pools gives its own logits. Two left-padded random prompts
+        through a prefill and a 3-token stepped forward (the verify path), against the target's own forward over
+        each whole sequence (no cache). A target that reads something the pools and masks do not carry (an
+        attention window or positions of its own, state kept outside transformers' cache) or that fails under them
+        is refused here with the reason, rather than giving other tokens or failing in a step. The prompts are
+        longer than any window-like field of the config the masks do not already encode."""
+        tcfg = self.target.config.get_text_config()
+        encoded = {"sliding_window", "attention_chunk_size"}  # read by the masks (``_mask_plan``)
+        windows = [v for k, v in vars(tcfg).items() if ("window" in k or "chunk" in k) and k not in encoded
+                   and isinstance(v, int) and not isinstance(v, bool) and v > 0]
+        new = 3
+        long = min(max([2 * self.page_size + 3, *(w + 4 for w in windows)]), self.max_seq_len - new)
+        lens = [long, max(1, min(5, long - 2))]
+        if long < 2:
+            return
+        vocab = self.draft.config.vocab_size
+        g = torch.Generator().manual_seed(0)
+        seqs = [torch.randint(0, vocab - 2, (n + new,), generator=g).tolist() for n in lens]
+        cache = make_pools(max_batch_size=2, num_blocks=sum(-(-(n + new) // self.page_size) for n in lens))
+        device = cache.device
+        rows = [0, 1]
+        try:
+            for r, n in zip(rows, lens):
+                cache.ensure(r, n + new)
+            tables = cache.block_table(rows)
+            slots = torch.tensor([cache.state_slot(r) for r in rows], device=device)
+            L = max(lens)
+            ids = torch.tensor([[0] * (L - n) + q[:n] for q, n in zip(seqs, lens)], device=device)
+            n_t = torch.tensor(lens, device=device)
+            positions = torch.arange(L, device=device) - (L - n_t)[:, None]
+            real = positions >= 0
+            active = torch.ones(2, dtype=torch.bool, device=device)
+            try:
+                pre, aux, _ = self._target_forward(ids, positions.clamp(min=0), real, n_t, tables, active,
+                                                   cache.target_pools, state_slots=slots)
+                step_ids = torch.tensor([q[n:] for q, n in zip(seqs, lens)], device=device)
+                step_pos = n_t[:, None] + torch.arange(new, device=device)
+                step, _, _ = self._target_forward(step_ids, step_pos, step_pos >= 0, n_t + new, tables, active,
+                                                  cache.target_pools, state_slots=slots, stepped=True)
+            except Exception as e:
+                raise ValueError(f"the target fails over the paged cache ({type(e).__name__}: {e}): it reads or "
+                                 f"stores something transformers' cache seams do not carry here") from e
+            width = len(self.draft.dflash_config.target_layer_ids) * self.draft.config.hidden_size
+            if tuple(aux.shape) != (2, L, width):
+                raise ValueError(f"the target's decoder layers give hidden states the drafter cannot read: "
+                                 f"{tuple(aux.shape)} for its layers {list(self.draft.dflash_config.target_layer_ids)}"
+                                 f" over 2 prompts of {L} tokens, expected {(2, L, width)} ([batch, tokens, hidden] "
+                                 f"per layer)")
+            worst = 0.0
+            for i, (q, n) in enumerate(zip(seqs, lens)):
+                ref = self.target(input_ids=torch.tensor([q], device=device)).logits[0].float()
+                ours = torch.cat([pre[i, L - n:], step[i]]).float()
+                scale = 1.0 + ref.abs().max().item()
+                worst = max(worst, (ours - ref).abs().max().item() / scale)
+            tol = 1e-3 if pre.dtype == torch.float32 else 5e-2
+            if not worst <= tol:
+                raise ValueError(
+                    f"the target's logits over the paged cache differ from its own forward (largest difference "
+                    f"{worst:.2g} of the logits' scale, tolerance {tol:g}, prompts of {lens} tokens + {new}): it reads "
+                    f"something the cache and masks do not carry (an attention window or positions of its own"
+                    + (f", e.g. {', '.join(k for k, v in vars(tcfg).items() if v in windows and 'window' in k)}"
+                       if windows else "")
+                    + ", or state kept outside transformers' cache)")
+        finally:
+            for r in rows:
+                cache.free(r)
 
     def _check_pool_bytes(self, need: int, num_blocks: int, device) -> None:
         allowed = self.max_cache_bytes if self.max_cache_bytes is not None else available_memory(device)

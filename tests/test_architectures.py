@@ -282,6 +282,6 @@ def test_mla_head_counts():
     with pytest.raises(RuntimeError, match="must match the size"):
         _reference(target, prompts[0])
     spec = _spec(target, "random")[0]
-    with pytest.raises(ValueError, match="the target's own forward fails on one token .*generate fails alike"):
+    with pytest.raises(ValueError, match="the target's own forward fails on one token .*must match the size"):
         spec.generate(prompts, max_new_tokens=NEW, pad_token_id=PAD)
     assert spec.scheduler.idle()
