@@ -27,7 +27,9 @@ the stale slots; nothing is copied.
 
 from __future__ import annotations
 
+import hashlib
 import math
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -186,6 +188,7 @@ class PagedKVCache:
         dtype: torch.dtype,
         device: torch.device | str,
         num_blocks: int | None = None,  # KV blocks in all; default: max_batch_size requests of max_seq_len tokens
+        prefix_caching: bool = False,
     ):
         self.page_size = page_size
         self.max_seq_len = max_seq_len
@@ -198,6 +201,14 @@ class PagedKVCache:
         Ld, Hd, Dd = draft_shape
         self.draft_pool = torch.zeros(Ld, 2, slots, Hd, Dd, dtype=dtype, device=device)
         self._free = list(range(self.num_blocks - 1, -1, -1))  # pop() hands out low ids first
+        # Prefix caching (``match`` / ``register``): full prompt pages, hashed as a chain, stay readable after their
+        # requests finish, and a request whose prompt starts with them adopts them instead of prefilling them.
+        self.prefix_caching = prefix_caching
+        self._refs: dict[int, int] = {}  # block -> how many requests hold it
+        self._hash_of: dict[int, bytes] = {}  # block -> the hash of the page chain it holds
+        self._block_of: dict[bytes, int] = {}  # hash -> block
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks no request holds, least recent first
+        self.prefix_stats: Counter = Counter()  # queries, query_tokens, hit_tokens, evicted_blocks
         self._owned: dict[int, list[int]] = {}
         self._free_states = list(range(max_batch_size - 1, -1, -1)) if self.has_states else []
         self._state_slot: dict[int, int] = {}
@@ -234,7 +245,56 @@ class PagedKVCache:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks a request can take: never used, or holding a cached page no request holds (evicted on demand)."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._hash_of)
+
+    def page_hashes(self, tokens: list[int], pages: int) -> list[bytes]:
+        """The chained hashes of the first ``pages`` full pages of ``tokens``: each covers its page's token ids and
+        the hash before it, so equal hashes mean equal prefixes (sha256: the same on every rank and process)."""
+        out, h = [], b""
+        for i in range(pages):
+            page = tokens[i * self.page_size:(i + 1) * self.page_size]
+            h = hashlib.sha256(h + b"|" + ",".join(map(str, page)).encode()).digest()
+            out.append(h)
+        return out
+
+    def match(self, tokens: list[int]) -> list[int]:
+        """The cached blocks holding the longest run of ``tokens``' first full pages (at least one token is left
+        to prefill: its logits start the generation); [] without prefix caching."""
+        if not self.prefix_caching:
+            return []
+        blocks = []
+        for h in self.page_hashes(tokens, (len(tokens) - 1) // self.page_size):
+            b = self._block_of.get(h)
+            if b is None:
+                break
+            blocks.append(b)
+        self.prefix_stats.update(queries=1, query_tokens=len(tokens), hit_tokens=len(blocks) * self.page_size)
+        return blocks
+
+    def register(self, request: int, tokens: list[int]) -> None:
+        """``request``'s prompt ``tokens`` are in its blocks now: cache its full pages (a page whose chain is
+        cached in another block already stays uncached)."""
+        if not self.prefix_caching:
+            return
+        owned = self._owned.get(request, [])
+        for b, h in zip(owned, self.page_hashes(tokens, min(len(tokens) // self.page_size, len(owned)))):
+            if b not in self._hash_of and h not in self._block_of:
+                self._hash_of[b], self._block_of[h] = h, b
+
+    def _take(self) -> int:
+        if self._free:
+            return self._free.pop()
+        if self._evictable:  # the least recently used cached page no request holds
+            b, _ = self._evictable.popitem(last=False)
+            del self._block_of[self._hash_of.pop(b)]
+            self.prefix_stats["evicted_blocks"] += 1
+            return b
+        raise RuntimeError("the KV pool is out of blocks")  # sized so this cannot happen
 
     @property
     def num_free_state_slots(self) -> int:
@@ -245,17 +305,30 @@ class PagedKVCache:
         """Bytes of all the pools (build the cache on the ``meta`` device to know them before allocating)."""
         return sum(t.nbytes for t in tree_leaves((self.target_pools, self.draft_pool)) if t is not None)
 
-    def ensure(self, request: int, num_tokens: int) -> None:
-        """Make ``request``'s blocks cover positions ``[0, min(num_tokens, max_seq_len))``."""
+    def ensure(self, request: int, num_tokens: int, prefix: list[int] = ()) -> None:
+        """Make ``request``'s blocks cover positions ``[0, min(num_tokens, max_seq_len))``; a new request first
+        adopts the cached ``prefix`` blocks (``match``), shared with whoever else holds them."""
         need = math.ceil(min(num_tokens, self.max_seq_len) / self.page_size)
         owned = self._owned.setdefault(request, [])
+        if not owned:
+            for b in prefix:
+                self._evictable.pop(b, None)
+                self._refs[b] = self._refs.get(b, 0) + 1
+                owned.append(b)
         while len(owned) < need:
-            if not self._free:
-                raise RuntimeError("the KV pool is out of blocks")  # sized so this cannot happen
-            owned.append(self._free.pop())
+            b = self._take()
+            self._refs[b] = 1
+            owned.append(b)
 
     def free(self, request: int) -> None:
-        self._free.extend(reversed(self._owned.pop(request, [])))
+        for b in reversed(self._owned.pop(request, [])):
+            self._refs[b] -= 1
+            if self._refs[b] == 0:
+                del self._refs[b]
+                if b in self._hash_of:
+                    self._evictable[b] = None  # most recently used last
+                else:
+                    self._free.append(b)
         if request in self._state_slot:
             self._free_states.append(self._state_slot.pop(request))
 

@@ -49,6 +49,7 @@ class _Request:
     finish_reason: str | None = None  # "stop", "length", or "cancelled"
     seq_len: int = 0  # tokens in the target cache = position of the pending block's first token
     pages: int = 0  # KV blocks allocated to it (the first ``pages`` entries of its block-table row)
+    cached: int = 0  # prompt tokens whose K/V it adopted from the prefix cache (not prefilled)
     drafts: list[list[int]] = field(default_factory=list)  # each step's verified drafts (``output_drafts``)
     error: BaseException | None = None
     cancelled: bool = False
@@ -381,7 +382,10 @@ class Scheduler:
         self.cache = cache = self._pools(new)
         device = cache.device
         B = spec.block_size
-        new = sorted(new, key=lambda r: -len(r.prompt))  # prefill groups are runs of similar lengths
+        prefixes = {r.index: cache.match(r.prompt) for r in new}  # cached pages each prompt starts with
+        for r in new:
+            r.cached = len(prefixes[r.index]) * spec.page_size
+        new = sorted(new, key=lambda r: -(len(r.prompt) - r.cached))  # prefill groups: runs of similar lengths
         if self.batch is None:
             self.batch = _Batch(spec.batch_bucket(len(new)), B, cache.blocks_per_seq, device)
         batch = self.batch
@@ -395,7 +399,7 @@ class Scheduler:
             i = first + j
             r.seq_len = len(r.prompt)
             r.acceptance = spec.policy.history(B - 1)
-            self._grow(i, r, r.seq_len)
+            self._grow(i, r, r.seq_len, prefixes[r.index])
             batch.seq_lens[i] = r.seq_len
             batch.active[i] = True
             batch.state_slots[i] = cache.state_slot(r.index)
@@ -403,8 +407,10 @@ class Scheduler:
             batch.do_sample[i], batch.temperature[i], batch.top_k[i], batch.top_p[i] = (
                 a.do_sample, a.temperature, a.top_k, a.top_p)
         first_tokens = []
-        for start, stop in prefill_groups([len(r.prompt) for r in new]):
+        for start, stop in prefill_groups([len(r.prompt) - r.cached for r in new]):
             first_tokens += self._prefill_rows(new[start:stop], first + start)
+        for r in new:  # their prompts' pages hold their K/V now
+            cache.register(r.index, r.prompt)
         for i in range(first + len(new) - 1, first - 1, -1):
             r = batch.rows[i]
             if self._emit(r, first_tokens[i - first]):
@@ -419,10 +425,11 @@ class Scheduler:
         spec, batch, cache = self.spec, self.batch, self.cache
         device, B = cache.device, spec.block_size
         rows = slice(first, first + len(group))
-        L = max(len(r.prompt) for r in group)
-        ids = torch.tensor([[0] * (L - len(r.prompt)) + r.prompt for r in group], device=device)
+        L = max(len(r.prompt) - r.cached for r in group)  # what runs: each prompt past its cached pages
+        ids = torch.tensor([[0] * (L - len(r.prompt) + r.cached) + r.prompt[r.cached:] for r in group], device=device)
         lens = batch.seq_lens[rows]
-        pages = spec.context_bucket(L)
+        cached = torch.tensor([r.cached for r in group], device=device) if any(r.cached for r in group) else None
+        pages = spec.context_bucket(max(len(r.prompt) for r in group))
         sampling = None
         if any(r.args.do_sample for r in group):
             if batch.draft_probs is None:
@@ -434,7 +441,8 @@ class Scheduler:
             )
         tables = batch.tables[rows, :pages]
         state_slots = batch.state_slots[rows] if cache.has_states else None
-        block, probs = spec.prefill(ids, lens, tables, cache.target_pools, cache.draft_pool, sampling, state_slots)
+        block, probs = spec.prefill(ids, lens, tables, cache.target_pools, cache.draft_pool, sampling, state_slots,
+                                    cached)
         batch.block[rows] = block
         if probs is not None:
             batch.draft_probs[rows] = probs
@@ -518,11 +526,12 @@ class Scheduler:
                         _dense(batch.tables[:bucket, :pages]), batch.active[:bucket], cache.target_pools,
                         cache.draft_pool)
 
-    def _grow(self, i: int, r: _Request, num_tokens: int) -> None:
-        """Allocate KV blocks so row ``i`` (request ``r``) covers ``num_tokens`` positions (capped at capacity)."""
+    def _grow(self, i: int, r: _Request, num_tokens: int, prefix: list[int] = ()) -> None:
+        """Allocate KV blocks so row ``i`` (request ``r``) covers ``num_tokens`` positions (capped at capacity); a
+        joining request first adopts the cached ``prefix`` blocks."""
         spec, batch, cache = self.spec, self.batch, self.cache
         if r.pages * spec.page_size < min(num_tokens, spec.max_seq_len):
-            cache.ensure(r.index, num_tokens)
+            cache.ensure(r.index, num_tokens, prefix)
             owned = cache.blocks(r.index)
             batch.tables[i, r.pages : len(owned)] = torch.tensor(owned[r.pages :], dtype=torch.long)
             r.pages = len(owned)

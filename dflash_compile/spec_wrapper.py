@@ -26,7 +26,8 @@ from .draft_model import SPLIT_WEIGHTS, DFlashDraftModel
 from .generation import DFlashGenerateOutput, resolve_generation_args
 from .hidden_states import AuxHiddenStates, decoder_layers
 from .kv_cache import (
-    PagedKVCache, available_memory, context_visibility, paged_target_cache, probe_layout, read_slots, write_slots,
+    PagedKVCache, StateLayout, available_memory, context_visibility, paged_target_cache, probe_layout, read_slots,
+    write_slots,
 )
 from .recurrent import StateAccess, step_by_token, unstep
 from .rejection import greedy_accept, process_logits, sample_from, speculative_accept
@@ -220,6 +221,12 @@ class DFlashSpecWrapper(nn.Module):
             compiled, they are allocated at the capacity, ``max_batch_size`` requests of ``max_seq_len`` tokens, as
             the step graphs are static in the pools' shapes. Pools that do not fit are a ``ValueError`` naming the
             bytes, before anything is allocated (for ``generate``/``submit``: the joining requests fail with it).
+        prefix_caching: keep the full KV pages of every prompt (the target's and the drafter's), hashed as a chain
+            of pages, after their requests finish; a new request whose prompt starts with cached pages reuses them
+            and prefills only the rest. Pages no request holds are evicted least-recently-used when the pools need
+            room. Off for targets with recurrent-state layers (their state is not kept at page boundaries; said in
+            the log). ``spec.prefix_cache_stats()`` counts queries, hits and evictions. Greedy output is the same
+            with and without it.
 
     ``generate`` follows HF ``generate``; greedy output is token-identical to ``target.generate``.
     """
@@ -237,6 +244,7 @@ class DFlashSpecWrapper(nn.Module):
         batch_buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS,
         context_buckets: tuple[int, ...] | None = None,
         max_cache_bytes: int | None = None,
+        prefix_caching: bool = False,
     ):
         super().__init__()
         validate_pair(target, draft, num_speculative_tokens)
@@ -274,6 +282,7 @@ class DFlashSpecWrapper(nn.Module):
         self._layout = None  # ((device, dtype), what each target layer caches: kv_cache.probe_layout)
         self._checked = None  # the (device, dtype) the paged forward was checked on (``_check_paged_forward``)
         self.max_cache_bytes = max_cache_bytes
+        self.prefix_caching = bool(prefix_caching)
         self.policy = _policy(speculation, num_speculative_tokens, self.block_size)
         self.speculative_ks = self.policy.ks(self.block_size)
         bad = [k for k in self.speculative_ks if not 0 <= k <= self.block_size - 1]
@@ -617,7 +626,7 @@ class DFlashSpecWrapper(nn.Module):
     # ------------------------------------------------------------------ prefill
     @torch.no_grad()
     def prefill(self, input_ids, lens, block_tables, target_pools, draft_pool, sampling: SamplingInputs | None = None,
-                state_slots=None):
+                state_slots=None, cached=None):
         """Run new prompts through the target into the pools, inject their context features into the drafter's
         cache and draft each one's first block, all rows in one forward.
 
@@ -625,11 +634,14 @@ class DFlashSpecWrapper(nn.Module):
         NB]`` covering each prompt. Returns ``([n, B], draft_probs)``: each row's first token and its drafts, and
         the drafts' distribution ``[n, B-1, V]`` (None without ``sampling``; there ``sampling.u_bonus`` samples
         the first token, ``draft_probs``/``u_accept`` are unused). ``state_slots [n]``: the rows' recurrent-state
-        slots (hybrid targets), written with each prompt's final state."""
+        slots (hybrid targets), written with each prompt's final state. ``cached [n]`` (prefix caching): how many of
+        each prompt's first tokens its blocks already hold (target and drafter K/V); ``input_ids`` then holds the
+        rest of each prompt, which is all that runs."""
         n, L = input_ids.shape
-        positions = torch.arange(L, device=input_ids.device) - (L - lens)[:, None]  # [n, L]; < 0: padding
+        cached = torch.zeros_like(lens) if cached is None else cached
+        positions = torch.arange(L, device=input_ids.device) - (L - (lens - cached))[:, None]  # [n, L]; < 0: padding
         real = positions >= 0
-        positions = positions.clamp(min=0)  # padding queries sit at 0 and see key 0: no empty softmax row
+        positions = (positions + cached[:, None]).clamp(min=0)  # padding queries see key 0 at least: no empty row
         active = torch.ones(n, dtype=torch.bool, device=input_ids.device)
         logits, aux, _ = self._target_forward(
             input_ids, positions, real, lens, block_tables, active, target_pools, last_only=True,
@@ -665,8 +677,13 @@ class DFlashSpecWrapper(nn.Module):
             step_by_token(self.target, layout)
             self._stepping = True
         dcfg = self.draft.config
+        stateful = [i for i, lay in enumerate(layout) if isinstance(lay, StateLayout)]
+        if self.prefix_caching and stateful and self._checked != self._layout[0]:  # said once per layout
+            log.warning("prefix caching is off: target layers %s keep recurrent states, which are not kept at page "
+                        "boundaries, so a cached prefix could not be resumed", stateful)
         pools = functools.partial(
             PagedKVCache,
+            prefix_caching=self.prefix_caching and not stateful,
             max_batch_size=self.max_batch_size,
             max_seq_len=self.max_seq_len,
             page_size=self.page_size,
@@ -766,6 +783,15 @@ class DFlashSpecWrapper(nn.Module):
                    else f"the {allowed} bytes available on {device}")
                 + ": fewer or shorter concurrent requests (max_batch_size, max_seq_len, max_new_tokens) need less"
             )
+
+    def prefix_cache_stats(self) -> dict:
+        """Prefix caching's counters: ``queries`` (prompts looked up), ``query_tokens``, ``hit_tokens`` (prompt
+        tokens whose K/V were reused rather than prefilled), ``evicted_blocks``, and ``cached_blocks`` now."""
+        c = self._cache
+        if c is None:
+            return {"queries": 0, "query_tokens": 0, "hit_tokens": 0, "evicted_blocks": 0, "cached_blocks": 0}
+        return {**{k: c.prefix_stats[k] for k in ("queries", "query_tokens", "hit_tokens", "evicted_blocks")},
+                "cached_blocks": c.num_cached_blocks}
 
     def kv_cache_bytes(self) -> int:
         """Bytes the KV pools hold now (0 before the first ``generate``)."""

@@ -115,7 +115,7 @@ def _all_free(spec) -> bool:
 
 @pytest.fixture(scope="module")
 def served(tok):
-    target, spec = _pair(tok, max_batch_size=16)
+    target, spec = _pair(tok, max_batch_size=16, prefix_caching=True)  # as dflash-serve runs by default
     engine = Engine(spec, tok, MODEL, max_queued=64, chat_template=CHAT_TEMPLATE)
     server = LiveServer(engine)
     server.target, server.spec, server.tok = target, spec, tok
@@ -400,6 +400,9 @@ def test_metrics_parse_and_move(served):
     assert 0 <= _sample(after, "dflash:kv_cache_usage_perc") <= 1
     for gauge in ("dflash:num_requests_running", "dflash:num_requests_waiting"):
         assert (gauge, (("model_name", MODEL),)) in after
+    assert moved("dflash:prefix_cache_queries_total") == out.usage.prompt_tokens + len(served.tok(PROMPTS[6]).input_ids)
+    stats = served.spec.prefix_cache_stats()
+    assert _sample(after, "dflash:prefix_cache_hits_total") == stats["hit_tokens"]
     text = httpx.get(served.url + "/metrics").text
     assert "# TYPE dflash:time_to_first_token_seconds histogram" in text
     assert "# TYPE dflash:spec_decode_num_drafts_total counter" in text
@@ -544,7 +547,6 @@ def test_no_chat_template_and_api_key(tok, served):
 
 # ---------------------------------------------------------------------------------------------- the command line
 @pytest.mark.parametrize("args, message", [
-    (["--prefix-caching"], "--prefix-caching: prefix caching is not available yet"),
     (["--max-batch-size", "0"], "--max-batch-size must be an integer >= 1, got 0"),
     (["--max-queued", "-1"], "--max-queued must be an integer >= 0"),
     (["--port", "70000"], "--port must be in [0, 65535]"),

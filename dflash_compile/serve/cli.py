@@ -45,8 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     pair.add_argument("--precompile", action="store_true",
                       help="compile every step graph before serving (default: the eager step serves each new graph's "
                            "requests while it compiles in the background)")
-    pair.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=False,
-                      help="reuse the KV blocks of shared prompt prefixes (not available yet: the default is off)")
+    pair.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                      help="reuse the KV pages of prompts' shared prefixes (default: on; off for targets with "
+                           "recurrent-state layers, said in the log)")
     srv = p.add_argument_group("serving")
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000, help="0: any free port (the address is printed)")
@@ -65,9 +66,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _check(p: argparse.ArgumentParser, args) -> None:
     """Everything that can be checked without torch."""
-    if args.prefix_caching:
-        p.error("--prefix-caching: prefix caching is not available yet; run without it (--no-prefix-caching, the "
-                "default)")
     if args.backend not in BACKENDS:
         p.error(f"--backend must be one of {', '.join(BACKENDS)}, got {args.backend!r}")
     for flag, ok, wanted in (("--port", 0 <= args.port <= 65535, "in [0, 65535]"),
@@ -139,7 +137,8 @@ def load_engine(p: argparse.ArgumentParser, args):
         check_tokenizer(tokenizer, target)
     except (OSError, ValueError, RuntimeError) as e:
         p.error(f"--target {args.target}: cannot load it: {e}")
-    wrapper = dict(max_batch_size=args.max_batch_size, max_seq_len=args.max_model_len)
+    wrapper = dict(max_batch_size=args.max_batch_size, max_seq_len=args.max_model_len,
+                   prefix_caching=args.prefix_caching)
     try:
         if args.speculative_config:
             spec = DFlashSpecWrapper.from_speculative_config(target, args.speculative_config, **wrapper)

@@ -27,6 +27,7 @@ class Metrics:
     def __init__(self, model_name: str, prefix: str = DEFAULT_PREFIX):
         self.registry = r = CollectorRegistry()
         p, labels = prefix, ["model_name"]
+        self._prefix = prefix
 
         def counter(name, doc, extra=()):
             return Counter(f"{p}:{name}", doc, labels + list(extra), registry=r)
@@ -74,6 +75,7 @@ class Metrics:
             return 1.0 - cache.num_free_blocks / cache.num_blocks if cache is not None and cache.num_blocks else 0.0
 
         self._kv_usage.set_function(usage)
+        self.registry.register(_PrefixCacheCollector(spec, self._prefix, self.model_name))
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
@@ -115,3 +117,22 @@ class Metrics:
         self._accepted.inc(stats.num_accepted_tokens)
         for position, n in enumerate(stats.num_accepted_tokens_per_pos):
             self._accepted_per_pos.labels(self.model_name, str(position)).inc(n)
+
+
+class _PrefixCacheCollector:
+    """vLLM's prefix-cache counters (``prefix_cache_queries``, ``prefix_cache_hits``: prompt tokens looked up and
+    found cached), read from the wrapper's pools when scraped."""
+
+    def __init__(self, spec, prefix: str, model_name: str):
+        self.spec, self.prefix, self.model_name = spec, prefix, model_name
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        stats = self.spec.prefix_cache_stats()
+        for name, key, doc in (("prefix_cache_queries", "query_tokens", "Prompt tokens looked up in the prefix cache."),
+                               ("prefix_cache_hits", "hit_tokens", "Prompt tokens found in the prefix cache (their "
+                                                                  "prefill skipped).")):
+            family = CounterMetricFamily(f"{self.prefix}:{name}", doc, labels=["model_name"])
+            family.add_metric([self.model_name], stats[key])
+            yield family
