@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -34,6 +35,8 @@ import torch
 
 from .generation import DFlashStats, GenerationArgs
 from .speculation import AcceptanceHistory, StepView
+
+log = logging.getLogger(__name__)
 
 _END = object()
 
@@ -80,7 +83,29 @@ class RequestHandle:
         self._request = request
         self._tokens: queue.SimpleQueue = queue.SimpleQueue()
         self._done = threading.Event()
+        self._callbacks: list = []
+        self._callbacks_lock = threading.Lock()
         request.handle = self
+
+    @property
+    def stats(self) -> DFlashStats:
+        """Its speculation counters so far (live; also after a cancel or a failure, when ``result()`` raises)."""
+        return self._request.stats
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens whose K/V came from the prefix cache (not prefilled); 0 before it joins the batch."""
+        return self._request.cached
+
+    def add_done_callback(self, fn) -> None:
+        """Call ``fn(handle)`` once the request is done (finished, failed or cancelled): on the thread that ends it
+        (the scheduler's driver), or at once on this thread if it is done already. An exception in ``fn`` is
+        logged, never raised into the scheduler."""
+        with self._callbacks_lock:
+            if not self._done.is_set():
+                self._callbacks.append(fn)
+                return
+        _call(fn, self)
 
     def __iter__(self):
         while (token := self._tokens.get()) is not _END:
@@ -113,7 +138,18 @@ class RequestHandle:
 
     def _finish(self) -> None:
         self._tokens.put(_END)
-        self._done.set()
+        with self._callbacks_lock:
+            self._done.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            _call(fn, self)
+
+
+def _call(fn, handle: RequestHandle) -> None:
+    try:
+        fn(handle)
+    except Exception:  # the caller's callback: its failure is its own
+        log.exception("a done callback of request %d raised", handle._request.index)
 
 
 class _Batch:

@@ -153,11 +153,15 @@ def test_submit_iterates_tokens_as_accepted_and_cancel_frees_blocks():
     target, spec = _pair()
     p = _prompts([6])[0]
     handle = spec.submit(p, max_new_tokens=NEW)
+    ended = threading.Event()
+    handle.add_done_callback(lambda h: ended.set() if h is handle else None)
+    handle.add_done_callback(lambda h: 1 / 0)  # logged, never raised into the scheduler
     streamed = list(handle)
     result = handle.result()
     assert streamed == result.tokens == target.generate(torch.tensor([p]), do_sample=False,
                                                          max_new_tokens=NEW)[0, len(p):].tolist()
     assert result.finish_reason == "length" and result.stats.num_drafts > 0
+    assert ended.wait(10) and handle.stats is result.stats and handle.cached_tokens == 0
 
     long = spec.submit(p, max_new_tokens=60)
     short = spec.submit(_prompts([9], seed=1)[0], max_new_tokens=NEW)
@@ -196,6 +200,9 @@ def test_a_request_cancelled_while_queued_ends_its_streamer():
         with pytest.raises(CancelledError):
             handle.result(timeout=60)
     assert streamer.ended == 1  # as for a request cancelled while it runs
+    seen = []
+    queued.add_done_callback(seen.append)  # done already: called at once
+    assert seen == [queued] and running.stats.num_drafts > 0  # counters readable after a cancel
     _wait_idle(spec)
     assert _all_free(spec)
     spec.close()
