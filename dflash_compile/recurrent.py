@@ -168,7 +168,10 @@ class PagedHybridLayer(PagedStateLayer, PagedTargetLayer):
 
 
 def _cache_arg(module: nn.Module) -> str | None:
-    params = inspect.signature(module.forward).parameters
+    try:
+        params = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):  # a forward Python cannot introspect (a builtin): it takes no cache of ours
+        return None
     return next((name for name in _CACHE_ARGS if name in params), None)
 
 
