@@ -757,7 +757,9 @@ class DFlashSpecWrapper(nn.Module):
                                  f"per layer)")
             worst = 0.0
             for i, (q, n) in enumerate(zip(seqs, lens)):
-                ref = self.target(input_ids=torch.tensor([q], device=device)).logits[0].float()
+                # positions from 0, given as HF's generate gives them (RoBERTa-like models offset their own)
+                ref = self.target(input_ids=torch.tensor([q], device=device),
+                                  position_ids=torch.arange(len(q), device=device)[None]).logits[0].float()
                 ours = torch.cat([pre[i, L - n:], step[i]]).float()
                 scale = 1.0 + ref.abs().max().item()
                 worst = max(worst, (ours - ref).abs().max().item() / scale)
