@@ -16,8 +16,8 @@ part of the key.
 The cache. A directory (``cache_dir=``; else ``$DFLASH_COMPILE_CACHE_DIR``; else ``$XDG_CACHE_HOME/dflash_compile``
 or ``~/.cache/dflash_compile``) with one folder per fingerprint — torch, transformers and Python versions, this
 package's source, the backend and its options, both models' configs and parameter shapes and dtypes, the
-wrapper's pool geometry, the device (CPU: the architecture, ATen's CPU capability and the CPU's feature flags;
-CUDA: the GPU's name and capability) — and one file per key, plus ``inductor/``: Inductor's own cache while it
+wrapper's pool geometry, the device (CPU: the architecture, ATen's CPU capability, the CPU's feature flags and the
+intra-op thread count; CUDA: the GPU's name and capability) — and one file per key, plus ``inductor/``: Inductor's own cache while it
 compiles or loads a step (the C++/Triton binaries a saved graph loads), so that a copy of the directory carries
 them. The weights' values are not in the fingerprint: the graphs read the parameters at every call, so a pair with
 other weights of the same shapes reuses them. Each file carries its key and a SHA-256 of the payload; an entry that
@@ -145,6 +145,9 @@ def fingerprint(spec, backend: str, mode, options: dict) -> dict:
         "mode": mode,
         "options": {k: repr(v) for k, v in sorted(options.items())},
         "device": _device_tag(p.device),
+        # a CPU graph is guarded on the intra-op thread count (torch's global state): one folder per count, so a
+        # process at another count neither loads nor overwrites it
+        "threads": torch.get_num_threads() if p.device.type == "cpu" else None,
         "dtype": str(p.dtype),
         "target": [type(spec.target).__name__, _config_json(spec.target.config),
                    getattr(spec.target.config, "_attn_implementation", None), _module_signature(spec.target)],

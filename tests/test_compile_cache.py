@@ -240,6 +240,12 @@ def test_the_fingerprint_does_not_depend_on_where_the_model_was_loaded_from(tmp_
     first = fingerprint(spec, "dflash", None, {})
     target.config._name_or_path = str(tmp_path / "elsewhere")
     assert fingerprint(spec, "dflash", None, {}) == first
+    threads = torch.get_num_threads()
+    try:  # so is the intra-op thread count on CPU (a graph is guarded on it)
+        torch.set_num_threads(threads + 1)
+        assert fingerprint(spec, "dflash", None, {}) != first
+    finally:
+        torch.set_num_threads(threads)
     target.config.rms_norm_eps = 1e-3  # a config value is part of it
     assert fingerprint(spec, "dflash", None, {}) != first
 
