@@ -397,7 +397,7 @@ class Scheduler:
     def _pools(self, incoming: list[_Request]):
         """The pools, with room for every request in flight (at capacity when compiled)."""
         spec = self.spec
-        if spec.compiled:
+        if spec.compiled or spec.prefix_caching:  # at capacity (prefix caching: room for pages no request holds)
             return spec.kv_cache()
         live = (self.batch.rows if self.batch is not None else []) + incoming
         need = sum(-(-min(spec.max_seq_len, len(r.prompt) + r.args.max_new_tokens + spec.verify_len) // spec.page_size)
@@ -418,9 +418,10 @@ class Scheduler:
         self.cache = cache = self._pools(new)
         device = cache.device
         B = spec.block_size
-        prefixes = {r.index: cache.match(r.prompt) for r in new}  # cached pages each prompt starts with
-        for r in new:
-            r.cached = len(prefixes[r.index]) * spec.page_size
+        for r in new:  # the cached pages each prompt starts with, held before any block is taken (or evicted)
+            prefix = cache.match(r.prompt)
+            cache.ensure(r.index, 0, prefix)
+            r.cached = len(prefix) * spec.page_size
         new = sorted(new, key=lambda r: -(len(r.prompt) - r.cached))  # prefill groups: runs of similar lengths
         if self.batch is None:
             self.batch = _Batch(spec.batch_bucket(len(new)), B, cache.blocks_per_seq, device)
@@ -435,7 +436,7 @@ class Scheduler:
             i = first + j
             r.seq_len = len(r.prompt)
             r.acceptance = spec.policy.history(B - 1)
-            self._grow(i, r, r.seq_len, prefixes[r.index])
+            self._grow(i, r, r.seq_len)
             batch.seq_lens[i] = r.seq_len
             batch.active[i] = True
             batch.state_slots[i] = cache.state_slot(r.index)
@@ -562,12 +563,11 @@ class Scheduler:
                         _dense(batch.tables[:bucket, :pages]), batch.active[:bucket], cache.target_pools,
                         cache.draft_pool)
 
-    def _grow(self, i: int, r: _Request, num_tokens: int, prefix: list[int] = ()) -> None:
-        """Allocate KV blocks so row ``i`` (request ``r``) covers ``num_tokens`` positions (capped at capacity); a
-        joining request first adopts the cached ``prefix`` blocks."""
+    def _grow(self, i: int, r: _Request, num_tokens: int) -> None:
+        """Allocate KV blocks so row ``i`` (request ``r``) covers ``num_tokens`` positions (capped at capacity)."""
         spec, batch, cache = self.spec, self.batch, self.cache
         if r.pages * spec.page_size < min(num_tokens, spec.max_seq_len):
-            cache.ensure(r.index, num_tokens, prefix)
+            cache.ensure(r.index, num_tokens)
             owned = cache.blocks(r.index)
             batch.tables[i, r.pages : len(owned)] = torch.tensor(owned[r.pages :], dtype=torch.long)
             r.pages = len(owned)

@@ -224,8 +224,8 @@ class DFlashSpecWrapper(nn.Module):
         prefix_caching: keep the full KV pages of every prompt (the target's and the drafter's), hashed as a chain
             of pages, after their requests finish; a new request whose prompt starts with cached pages reuses them
             and prefills only the rest. Pages no request holds are evicted least-recently-used when the pools need
-            room. Off for targets with recurrent-state layers (their state is not kept at page boundaries; said in
-            the log). ``spec.prefix_cache_stats()`` counts queries, hits and evictions. Greedy output is the same
+            room; the pools are then allocated at the capacity, as when compiled. Off for targets with
+            recurrent-state layers (their state is not kept at page boundaries; said in the log). ``spec.prefix_cache_stats()`` counts queries, hits and evictions. Greedy output is the same
             with and without it.
 
     ``generate`` follows HF ``generate``; greedy output is token-identical to ``target.generate``.

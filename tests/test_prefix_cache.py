@@ -107,3 +107,21 @@ def test_off_for_recurrent_state_targets(caplog):
     assert outs == [_reference(target, p) for p in prompts]
     assert "prefix caching is off" in caplog.text and "recurrent states" in caplog.text
     assert spec.prefix_cache_stats()["queries"] == 0
+
+
+def test_pages_matched_in_an_admission_are_held_before_others_take_blocks():
+    # Two requests join together: one new and long, one sharing a cached prefix. The long one is prefilled first and
+    # needs more blocks than are free, so pages are evicted; the other's matched pages must not be among them.
+    target = tiny_target("qwen3")
+    spec = _pair(target, max_seq_len=64, prefix_caching=True)
+    old, other, long = _prompts(shared=40, tails=(0, 0, 0), seed=1)
+    old, other, long = old, [t + 1 for t in other], [(t + 2) % (VOCAB - 2) for t in long] + [3] * 10
+    for p in (old, other):  # both cached, ``old`` least recently used
+        assert spec.generate([p], max_new_tokens=NEW)[0, len(p):].tolist() == _reference(target, p)
+    again = old + [5, 6, 7]
+    before = spec.prefix_cache_stats()
+    out = spec.generate([long, again], max_new_tokens=NEW, pad_token_id=PAD)  # one admission
+    assert [out[i, -NEW:].tolist() for i in range(2)] == [_reference(target, long), _reference(target, again)]
+    stats = spec.prefix_cache_stats()
+    assert stats["hit_tokens"] - before["hit_tokens"] == 40  # ``again`` reused all of ``old``'s pages
+    assert stats["evicted_blocks"] > before["evicted_blocks"], (before, stats, spec.kv_cache().num_blocks)
