@@ -276,7 +276,6 @@ def worker(args) -> None:
                 print(f"[{args.config}] {'warm-up' if rnd == 0 else f'round {rnd}'}: "
                       + ", ".join(f"{m} {s:.2f} s" for m, s in took.items()), flush=True)
     barrier()
-    allreduce_ms = all_reduce_ms(args, distributed)
     for spec in specs.values():
         spec.close()
     if rank != 0:
@@ -295,31 +294,7 @@ def worker(args) -> None:
               "tensor_parallel": distributed, "target_layers": layers, "draft_layers": 1, "draft_target_layer_ids": ids,
               "load_seconds": round(load_s, 1), "methods": rows}
     result["load_average"] = {"before_warm_up": load_before, "after_timed": [round(x, 2) for x in os.getloadavg()]}
-    result["all_reduce_ms"] = allreduce_ms
     Path(args.worker_out).write_text(json.dumps(result) + "\n")
-
-
-def all_reduce_ms(args, distributed: bool) -> dict | None:
-    """Median milliseconds of one gloo all-reduce of a step's activations (``[rows, hidden]`` fp32) between the
-    ranks, for the plain step's rows (``batch``) and the K = 7 verify's (``batch * 8``): what each of a step's
-    all-reduces costs on its own, measured after the timed rounds (same process group as the target's)."""
-    if not distributed:
-        return None
-    import torch.distributed as dist
-
-    out = {}
-    for name, rows in (("dflash_k0", args.batch), ("dflash_k7", args.batch * (SPECS["dflash_k7"] + 1))):
-        t = torch.randn(rows, args.hidden)
-        times = []
-        for i in range(40):
-            dist.barrier()
-            start = time.perf_counter()
-            dist.all_reduce(t)
-            if i >= 5:  # after a few untimed ones
-                times.append(time.perf_counter() - start)
-            t.div_(2)
-        out[name] = {"rows": rows, "hidden": args.hidden, "ms": round(statistics.median(times) * 1e3, 3)}
-    return out
 
 
 # ---------------------------------------------------------------------------------------------- the launcher
@@ -466,22 +441,6 @@ def markdown(results) -> str:
                 r = c["methods"][m]
                 lines.append(f"| {n} | {m} | {r['steps']} | " + " | ".join(_collective_cells(c, m))
                              + f" | {r['host_all_gathers_per_step']:.2f} |")
-        for n in tp:
-            c = configs[n]
-            if not c.get("all_reduce_ms"):
-                continue
-            cells = []
-            for m in SPECS:
-                r, ar = c["methods"][m], c["all_reduce_ms"][m]
-                counts = _graph_counts(c, m) or {}
-                reduces = sum(k for name, k in counts.items() if name.startswith("all_reduce"))
-                # steps: every row's over a round; a round's batch steps are that over the batch size
-                step_ms = r["seconds"] / (r["steps"] / a.get("batch", 1)) * 1e3 if r.get("steps") else None
-                share = f" of a {step_ms:.0f} ms step ({reduces * ar['ms'] / step_ms:.0%})" if step_ms else ""
-                cells.append(f"`{m}`: one all-reduce of [{ar['rows']}, {ar['hidden']}] fp32 {ar['ms']:.2f} ms, "
-                             f"x {reduces} per step = {reduces * ar['ms']:.0f} ms{share}")
-            lines += ["", f"Profile of the collectives ({n}; an all-reduce timed alone between the two ranks after "
-                      "the timed rounds, the step from the median round over its steps): " + "; ".join(cells) + "."]
         lines += ["", "Host all-gathers: the scheduler's agreements between ranks (a few integers each, on a gloo "
                   "group of their own: admission, the step's K), counted per step over the warm-up round. The "
                   "prefill runs eagerly (not counted). `hf_greedy` under `tp_plan` runs the same plan eagerly, one "
