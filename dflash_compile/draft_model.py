@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -362,14 +363,21 @@ class DFlashDraftModel(nn.Module):
         mask_token_id: int | None = None,
         target_layer_ids=None,
         seed: int | None = None,
+        tokenizer=None,
         **overrides: Any,
     ) -> "DFlashDraftModel":
         """A randomly initialised drafter sized from ``target``'s config and bound to it.
+
+        The mask token: ``mask_token_id`` if given, else ``config.choose_mask_token(tokenizer)`` (the tokenizer's
+        mask token, else an unused special token). A ``mask_token_id`` that is an ordinary text token of
+        ``tokenizer`` is refused. Without either, the id ``vocab_size - 1`` is taken with a warning: in many
+        vocabularies it is ordinary text (a trained drafter then confuses masks with that token).
 
         ``overrides`` set Qwen3 architecture fields (e.g. ``intermediate_size``) or ``layer_types`` /
         ``sliding_window``.
         """
         tcfg = target.config.get_text_config()
+        mask_token_id = _mask_token(tcfg.vocab_size, mask_token_id, tokenizer)
         num_target_layers = _positive_int(tcfg, "num_hidden_layers")
         if num_target_layers is None:
             from .hidden_states import decoder_layers
@@ -404,7 +412,7 @@ class DFlashDraftModel(nn.Module):
         config = Qwen3Config(**arch)
         dflash = DFlashConfig(
             block_size=block_size,
-            mask_token_id=tcfg.vocab_size - 1 if mask_token_id is None else mask_token_id,
+            mask_token_id=mask_token_id,
             target_layer_ids=tuple(
                 default_target_layer_ids(num_target_layers, num_layers) if target_layer_ids is None else target_layer_ids
             ),
@@ -563,6 +571,24 @@ def _with_target_facts(raw: dict, **facts: int | None) -> dict:
             raise ValueError(f"{name}={value} was passed, but the checkpoint's config.json says {raw[name]}")
         raw = {**raw, name: value}
     return raw
+
+
+def _mask_token(vocab_size: int, mask_token_id: int | None, tokenizer) -> int:
+    """``from_target``'s mask token rule (its docstring)."""
+    from .config import choose_mask_token, is_ordinary_token
+
+    if mask_token_id is None and tokenizer is not None:
+        return choose_mask_token(tokenizer)
+    if mask_token_id is None:
+        warnings.warn(f"no mask_token_id and no tokenizer: the drafter's mask token is the last id, {vocab_size - 1}, "
+                      f"which may be an ordinary text token; pass tokenizer= to choose a special one",
+                      stacklevel=3)
+        return vocab_size - 1
+    if tokenizer is not None and is_ordinary_token(tokenizer, mask_token_id):
+        raise ValueError(f"mask_token_id {mask_token_id} ({tokenizer.convert_ids_to_tokens(mask_token_id)!r}) is an "
+                         f"ordinary text token of this tokenizer; use a special token "
+                         f"(config.choose_mask_token(tokenizer) gives {choose_mask_token(tokenizer)})")
+    return mask_token_id
 
 
 @contextlib.contextmanager

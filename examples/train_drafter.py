@@ -63,6 +63,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--block-size", type=int, default=8)
     p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--mask-token-id", type=int, default=None,
+                   help="default: the tokenizer's mask token, else an unused special token; an ordinary text token "
+                        "is refused")
     p.add_argument("--target-layer-ids", type=int, nargs="*", default=None, help="default: the authors' rule")
     p.add_argument("--sliding-window", type=int, default=None,
                    help="every drafter layer attends to the last N positions only (trained and run that way), so "
@@ -113,7 +116,6 @@ def main(argv=None) -> int:
                           do_sample=args.sample, gen_batch=args.gen_batch, seed=args.seed,
                           signature_share=args.signature_share)
     data = build_dataset(target, tok, args.target, args.corpus, data_cfg, args.cache_dir, args.pattern)
-    mask_id = tok.mask_token_id if tok.mask_token_id is not None else None
     layer_ids = args.target_layer_ids
     if layer_ids is None:
         n_target = target.config.get_text_config().num_hidden_layers
@@ -126,7 +128,8 @@ def main(argv=None) -> int:
     window = {} if args.sliding_window is None else dict(layer_types=["sliding_attention"] * args.layers,
                                                            sliding_window=args.sliding_window)
     draft = DFlashDraftModel.from_target(target, num_layers=args.layers, block_size=args.block_size,
-                                         mask_token_id=mask_id, target_layer_ids=layer_ids, seed=args.seed, **window)
+                                         mask_token_id=args.mask_token_id, tokenizer=tok, target_layer_ids=layer_ids,
+                                         seed=args.seed, **window)
     if args.init:
         init_from(draft, DFlashDraftModel.from_pretrained(args.init, dtype=torch.float32), args.init)
     print(f"drafter: {sum(p.numel() for p in draft.parameters()) / 1e6:.2f}M parameters, "

@@ -251,3 +251,29 @@ def test_missing_block_size(tmp_path):
     (path / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ValueError, match="no block_size"):
         DFlashDraftModel.from_pretrained(path)
+
+
+# ----------------------------------------------------------------------------- the mask token
+def test_mask_token_is_never_ordinary_text():
+    from transformers import AutoTokenizer
+
+    from dflash_compile.assets import default_pair_paths
+    from dflash_compile.config import choose_mask_token, is_ordinary_token
+
+    tok = AutoTokenizer.from_pretrained(default_pair_paths()[0])
+    target = tiny_target("qwen3", vocab_size=len(tok))
+    mask = tok.convert_tokens_to_ids("<|mask|>")
+    assert DFlashDraftModel.from_target(target, tokenizer=tok).mask_token_id == mask == tok.mask_token_id
+    # without a declared mask token: an added special token with no role (bos/eos/pad) that no template uses
+    tok.mask_token = None
+    assert choose_mask_token(tok) == mask and not is_ordinary_token(tok, mask)
+    plain = tok("def f(x):\n    return x")["input_ids"][1]
+    assert is_ordinary_token(tok, plain)
+    with pytest.raises(ValueError, match="ordinary text token"):
+        DFlashDraftModel.from_target(target, mask_token_id=plain, tokenizer=tok)
+    with pytest.warns(UserWarning, match="may be an ordinary text token"):
+        assert DFlashDraftModel.from_target(target).mask_token_id == len(tok) - 1
+    # a tokenizer whose every special token has a role: nothing to choose, and the error says what to do
+    tok.add_special_tokens({"pad_token": "<|mask|>", "sep_token": "<|pad|>"})
+    with pytest.raises(ValueError, match="add_special_tokens"):
+        choose_mask_token(tok)
