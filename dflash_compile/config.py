@@ -52,6 +52,9 @@ class DFlashConfig:
     layer_types: tuple[str, ...]
     num_target_layers: int
     sliding_window: int | None = None
+    # A reduced draft vocabulary: the drafter's own head scores these many target tokens (its ``d2t`` map says
+    # which); None: the target's whole vocabulary through the target's own LM head.
+    draft_vocab_size: int | None = None
 
     def __post_init__(self):
         # Normalise sequences (JSON lists) to tuples so the dataclass stays hashable and immutable.
@@ -76,6 +79,8 @@ class DFlashConfig:
         unknown = sorted(set(self.layer_types) - set(_LAYER_TYPES))
         if unknown:
             raise ValueError(f"unknown layer_types {unknown}; expected entries of {list(_LAYER_TYPES)}")
+        if self.draft_vocab_size is not None and _integer("draft_vocab_size", self.draft_vocab_size) < 2:
+            raise ValueError(f"draft_vocab_size must be an int >= 2, got {self.draft_vocab_size!r}")
         if "sliding_attention" in self.layer_types:
             if not isinstance(self.sliding_window, int) or self.sliding_window < 1:
                 raise ValueError(
@@ -124,6 +129,7 @@ class DFlashConfig:
             layer_types=tuple(layer_types),
             num_target_layers=num_target_layers,
             sliding_window=config.get("sliding_window") if "sliding_attention" in layer_types else None,
+            draft_vocab_size=dflash.get("draft_vocab_size", config.get("draft_vocab_size")),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -140,6 +146,8 @@ class DFlashConfig:
         }
         if self.sliding_window is not None:
             out["sliding_window"] = self.sliding_window
+        if self.draft_vocab_size is not None:
+            out["dflash_config"]["draft_vocab_size"] = self.draft_vocab_size
         return out
 
 

@@ -7,7 +7,7 @@ ranks in step where their host decisions could differ:
 - which queued requests join the batch (as many as every rank has queued, in submission order), which running ones
   are cancelled (a cancel on any rank cancels on all), and when the driver stops (no rank has work);
 - the speculation policy's choice for each step (rank 0's: each rank times its own steps);
-- the seed of each request that samples without one (rank 0 draws it), so every rank draws the same uniforms.
+- the seed of each request that samples without one (rank 0 draws it), so every rank draws the same noise.
 
 Each is one small all-gather of integers on the host per scheduler iteration (``Scheduler._sync``), on a gloo
 group of its own. Ranks that were given different requests are detected from a digest of each admitted request and

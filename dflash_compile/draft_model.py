@@ -190,6 +190,13 @@ class DFlashDraftModel(nn.Module):
         self.hidden_norm = RMSNorm(H, config.rms_norm_eps)
         self.norm = RMSNorm(H, config.rms_norm_eps)
         self.rotary_emb = DFlashRotaryEmbedding(config)
+        Vd = dflash_config.draft_vocab_size
+        if Vd is not None:  # a reduced draft vocabulary: an own head over Vd target tokens, d2t[i] = target id
+            if Vd > config.vocab_size:
+                raise ValueError(f"draft_vocab_size {Vd} is larger than the target's vocabulary {config.vocab_size}")
+            # No init draw here (reset_parameters draws it last): a seed gives the layers the same weights as without.
+            self.draft_head = nn.utils.skip_init(nn.Linear, H, Vd, bias=False)
+            self.register_buffer("d2t", torch.arange(Vd), persistent=True)
         # Borrowed from the target, deliberately not registered as submodules (not in state_dict, not copied).
         self._borrowed: tuple[nn.Module, nn.Module] | None = None
         self.split_over: tuple[int, int] | None = None  # (rank, world) once ``split``
@@ -258,6 +265,44 @@ class DFlashDraftModel(nn.Module):
         return self.dflash_config.block_size
 
     @property
+    def draft_vocab_size(self) -> int | None:
+        return self.dflash_config.draft_vocab_size
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits over the draft vocabulary: the drafter's own head (reduced vocabulary) or the target's."""
+        return self.draft_head(h) if self.draft_vocab_size is not None else self.lm_head(h)
+
+    def to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits ``[..., Vd]`` as target-vocabulary logits ``[..., V]``: ``-inf`` for every target
+        token outside the draft vocabulary (probability 0 after any warper). The identity without a reduced vocabulary."""
+        if self.draft_vocab_size is None:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
+        return full.index_copy(-1, self.d2t, logits)
+
+    def target_to_draft(self, ids: torch.Tensor) -> torch.Tensor:
+        """Target token ids as draft-vocabulary ids, ``-1`` for those outside it (training labels)."""
+        if self.draft_vocab_size is None:
+            return ids
+        t2d = torch.full((self.config.vocab_size,), -1, dtype=torch.long, device=ids.device)
+        t2d[self.d2t] = torch.arange(self.draft_vocab_size, device=ids.device)
+        return t2d[ids]
+
+    def set_draft_vocab(self, target_ids, target: nn.Module | None = None) -> None:
+        """Make ``target_ids`` (distinct target token ids, ``draft_vocab_size`` of them) the draft vocabulary, in
+        that order; with ``target``, the head starts as the target's LM head rows of those tokens."""
+        ids = torch.as_tensor(target_ids, dtype=torch.long, device=self.d2t.device)
+        if ids.shape != (self.draft_vocab_size,) or ids.unique().numel() != ids.numel():
+            raise ValueError(f"need {self.draft_vocab_size} distinct target ids, got {tuple(ids.shape)}")
+        if int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size:
+            raise ValueError(f"draft vocabulary ids outside the target's vocabulary [0, {self.config.vocab_size})")
+        with torch.no_grad():
+            self.d2t.copy_(ids)
+            if target is not None:
+                w = target.get_output_embeddings().weight
+                self.draft_head.weight.copy_(w[ids.to(w.device)].to(self.draft_head.weight))
+
+    @property
     def mask_token_id(self) -> int:
         return self.dflash_config.mask_token_id
 
@@ -322,7 +367,7 @@ class DFlashDraftModel(nn.Module):
         masks = self.attention_mask(ctx_lens, ctx_k.shape[2], block_positions)
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, ctx_k[i], ctx_v[i], masks[i])
-        return self.lm_head(self.norm(h[:, 1:]))
+        return self.to_target_vocab(self.head(self.norm(h[:, 1:])))
 
     def forward_blocks(
         self,
@@ -351,7 +396,7 @@ class DFlashDraftModel(nn.Module):
         cos, sin = self.rotary_emb(h, block_positions)
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, ctx_k[i], ctx_v[i], mask[i])
-        return self.lm_head(self.norm(h))
+        return self.head(self.norm(h))  # draft-vocabulary logits (``target_to_draft`` maps the labels)
 
     # ------------------------------------------------------------------ construction / IO
     @classmethod
@@ -364,6 +409,7 @@ class DFlashDraftModel(nn.Module):
         target_layer_ids=None,
         seed: int | None = None,
         tokenizer=None,
+        draft_vocab=None,
         **overrides: Any,
     ) -> "DFlashDraftModel":
         """A randomly initialised drafter sized from ``target``'s config and bound to it.
@@ -372,6 +418,9 @@ class DFlashDraftModel(nn.Module):
         mask token, else an unused special token). A ``mask_token_id`` that is an ordinary text token of
         ``tokenizer`` is refused. Without either, the id ``vocab_size - 1`` is taken with a warning: in many
         vocabularies it is ordinary text (a trained drafter then confuses masks with that token).
+
+        ``draft_vocab``: target token ids for a reduced draft vocabulary (the drafter's own head over them, started
+        from the target's LM head rows; see ``set_draft_vocab``); None: the target's head over its whole vocabulary.
 
         ``overrides`` set Qwen3 architecture fields (e.g. ``intermediate_size``) or ``layer_types`` /
         ``sliding_window``.
@@ -419,6 +468,7 @@ class DFlashDraftModel(nn.Module):
             layer_types=tuple(layer_types),
             num_target_layers=num_target_layers,
             sliding_window=sliding_window,
+            draft_vocab_size=None if draft_vocab is None else len(draft_vocab),
         )
         if seed is not None:
             with torch.random.fork_rng(devices=[]):
@@ -429,7 +479,10 @@ class DFlashDraftModel(nn.Module):
             model = cls(config, dflash)
             model.reset_parameters()
         ref = next(target.parameters())
-        return model.to(dtype=ref.dtype, device=ref.device).bind_target(target)
+        model = model.to(dtype=ref.dtype, device=ref.device).bind_target(target)
+        if draft_vocab is not None:
+            model.set_draft_vocab(draft_vocab, target)
+        return model
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -501,7 +554,8 @@ class DFlashDraftModel(nn.Module):
             if header[k][1] != tuple(expected[k])
         )
         not_float = sorted(
-            f"{f.name}: {k!r} is {dt}" for k, (f, _, dt) in header.items() if not dt.startswith(("F", "BF"))
+            f"{f.name}: {k!r} is {dt}" for k, (f, _, dt) in header.items()
+            if not dt.startswith(("F", "BF")) and not (k == "d2t" and dt.startswith("I"))
         )
         problems = []
         if missing:
@@ -525,6 +579,11 @@ class DFlashDraftModel(nn.Module):
         ours = {v: k for k, v in names.items()}
         model.load_state_dict({ours.get(k, k): v for k, v in state.items()}, strict=True)
         model.rotary_emb = DFlashRotaryEmbedding(config).to(device=device or "cpu")  # buffers were on meta
+        if dflash.draft_vocab_size is not None:
+            try:
+                model.set_draft_vocab(model.d2t.clone())
+            except ValueError as e:
+                raise ValueError(f"malformed DFlash checkpoint {path}: its d2t map: {e}") from None
         if dtype is not None:
             model = model.to(dtype=dtype)
         return model
@@ -541,6 +600,9 @@ class DFlashDraftModel(nn.Module):
         if format not in ("dflash", "transformers"):
             raise ValueError(f"unknown checkpoint format {format!r}: expected 'dflash' or 'transformers'")
         names = {}  # our weight name -> the checkpoint's
+        if format == "transformers" and self.draft_vocab_size is not None:
+            raise ValueError("transformers' DFlash assistant format has no reduced draft vocabulary: save this "
+                             "drafter with format='dflash'")
         if format == "transformers":
             dtype = next(self.parameters()).dtype
             cfg, names = transformers_config(self.config, self.dflash_config, dtype).to_dict(), WEIGHT_NAMES

@@ -1,4 +1,14 @@
-"""Acceptance rules. Sync-free: fixed shapes, no host reads."""
+"""Acceptance and sampling. Sync-free: fixed shapes, no host reads.
+
+Sampled tokens are drawn by position, not by step: the token at position ``t`` of a request seeded ``s`` is
+``argmax(scores_t + g(s, t))``, with Gumbel noise ``g`` hashed from ``(s, t, token)`` (``sample_at_positions``).
+Verification computes that token at every verified position and keeps the drafts that equal it (``greedy_accept``,
+as for greedy rows); the drafter proposes with the same noise (``argmax(draft scores + g)``), so a drafter close to
+the target proposes the token the target will draw. What a request emits is then a function of its seed, each
+position and the target's (processed) distribution there: never of ``K``, the batch, the step's graph or the rank.
+The law is exact: each token is a Gumbel-max sample of the target's processed conditional, with noise independent
+across positions (its 32-bit uniforms are the one approximation, a probability resolution of 2**-32 per token).
+"""
 
 from __future__ import annotations
 
@@ -42,49 +52,45 @@ def process_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     return torch.empty_like(scores).scatter(-1, order, ordered)
 
 
-def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF sample of ``probs [..., V]`` (not necessarily normalised) with one uniform ``u [...]`` in [0, 1).
-
-    Returns the first index whose cumulative mass exceeds ``u * total``: never a zero-probability token.
-    """
-    cdf = probs.cumsum(dim=-1)
-    threshold = (u.to(cdf.dtype) * cdf[..., -1])[..., None]
-    idx = torch.searchsorted(cdf.contiguous(), threshold.contiguous(), right=True)[..., 0]
-    return torch.clamp(idx, max=probs.shape[-1] - 1)
+_M32 = 0xFFFFFFFF
 
 
-def speculative_accept(
-    drafts: torch.Tensor,
-    draft_probs: torch.Tensor,
-    target_probs: torch.Tensor,
-    u_accept: torch.Tensor,
-    u_bonus: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Standard speculative sampling (Leviathan et al. 2023; Chen et al. 2023): lossless at any temperature.
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (two multiply-xorshift rounds) on int64 tensors holding values in ``[0, 2**32)``; its
+    constant is below 2**27, so no product leaves int64 (no overflow, the same bits eager, compiled, on any device)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x45D9F3B) & _M32
+    x = x ^ (x >> 16)
+    x = (x * 0x45D9F3B) & _M32
+    return x ^ (x >> 16)
 
-    ``drafts [B, K]`` were sampled from ``draft_probs [B, K, V]``; ``target_probs [B, K + 1, V]`` is the target's
-    processed distribution at each block position. Draft ``i`` is accepted when ``u_accept[:, i] * p_draft <
-    p_target`` (probability ``min(1, p_target / p_draft)``; always when ``p_draft == 0 < p_target``). At the first
-    rejection the next token is sampled with ``u_bonus [B]`` from ``normalise(max(p_target - p_draft, 0))``
-    (from ``p_target`` should that be all zero); after full acceptance, from ``p_target`` at position K (the bonus).
-    Returns ``(tokens [B, K + 1], num_accepted [B])``, tokens padded with -1, as ``greedy_accept``.
-    """
-    B, K = drafts.shape
-    p_t = target_probs[:, :K].gather(-1, drafts[..., None])[..., 0]  # [B, K]
-    p_d = draft_probs.gather(-1, drafts[..., None])[..., 0]  # [B, K]
-    accept = (u_accept.to(p_t.dtype) * p_d < p_t).to(torch.int32)
-    num_accepted = accept.cumprod(dim=1).sum(dim=1)  # [B]
 
-    # The distribution of the token after the accepted prefix: the residual, or the target's (bonus, p_draft = 0).
-    p_draft_ext = torch.cat([draft_probs, draft_probs.new_zeros(B, 1, draft_probs.shape[-1])], dim=1)  # [B, K+1, V]
-    at = num_accepted[:, None, None].expand(B, 1, target_probs.shape[-1])
-    p_t_next = target_probs.gather(1, at)[:, 0]  # [B, V]
-    residual = torch.clamp(p_t_next - p_draft_ext.gather(1, at)[:, 0].to(p_t_next.dtype), min=0)
-    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_t_next)
-    next_token = sample_from(residual, u_bonus)  # [B]
+def noise_bits(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """32 random bits ``[R, T, V]`` (int64) per (seed, position, token id): a counter-based hash in integer
+    arithmetic, the same bits in every step, batch row, bucket, graph, device and rank."""
+    seeds = seeds.to(torch.long)
+    lo, hi = seeds & _M32, (seeds >> 32) & _M32
+    h = _mix32((_mix32(hi) + lo + 0x9E3779B9) & _M32)  # [R]
+    h = _mix32((h[:, None] + (positions.to(torch.long) & _M32) * 0x2545F49) & _M32)  # [R, T]
+    token = torch.arange(vocab_size, device=positions.device, dtype=torch.long)
+    return _mix32((h[..., None] + token * 0x27D4EB2F + 0x165667B1) & _M32)  # [R, T, V]
 
-    pos = torch.arange(K + 1, device=drafts.device)[None, :]
-    drafts_ext = torch.cat([drafts, drafts.new_full((B, 1), -1)], dim=1)
-    tokens = torch.where(pos < num_accepted[:, None], drafts_ext, -1)
-    tokens = torch.where(pos == num_accepted[:, None], next_token[:, None], tokens)
-    return tokens, num_accepted
+
+def position_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Gumbel noise ``[R, T, V]`` (fp32) for the tokens at ``positions [R, T]`` of the requests seeded ``seeds [R]``
+    (int64), from ``noise_bits``. Uniforms have 32 bits: ``w = 1 - u`` is formed directly so the upper tail (the
+    noise that wins an argmax) keeps full precision, ``g = -log(-log1p(-w))``. The bits are exact everywhere; the
+    two logarithms are as exact as the kernel that runs them (compiled and eager may differ in the last bit, as the
+    target's own logits do)."""
+    h = noise_bits(seeds, positions, vocab_size)
+    w = (0x100000000 - h).to(torch.float32) * (1.0 / 0x100000000) - (0.5 / 0x100000000)  # 1 - u, u in (0, 1)
+    # fp32 cannot hold 1 - 2**-32: the lower tail stops at u = 2**-24 (finite noise, so a row whose one allowed
+    # token drew there still draws it)
+    return -torch.log(-torch.log1p(-w.clamp(max=1.0 - 2.0**-24)))
+
+
+def sample_at_positions(scores: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """One token per position, ``argmax(scores + position_noise)`` (the Gumbel-max trick): an exact sample of
+    ``softmax(scores)`` at each position (``-inf`` scores are never drawn), and a function of (seed, position,
+    scores) alone. ``scores [R, T, V]`` (processed logits), ``seeds [R]``, ``positions [R, T]`` -> ``[R, T]``."""
+    return (scores.float() + position_noise(seeds, positions, scores.shape[-1])).argmax(-1)

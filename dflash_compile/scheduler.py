@@ -46,7 +46,7 @@ class _Request:
     index: int
     prompt: list[int]
     args: GenerationArgs
-    generator: torch.Generator | None = None  # the request's own RNG (sampling)
+    generator: torch.Generator | None = None  # the request's own RNG (sampling): its seed is drawn from it
     new: list[int] = field(default_factory=list)
     stats: DFlashStats = field(default_factory=DFlashStats)
     finish_reason: str | None = None  # "stop", "length", or "cancelled"
@@ -58,6 +58,14 @@ class _Request:
     cancelled: bool = False
     handle: RequestHandle | None = None
     acceptance: AcceptanceHistory | None = None  # per-position acceptance, for the speculation policy
+    _seed: int | None = None
+
+    def sampling_seed(self) -> int:
+        """The seed of this request's sampling noise (``rejection.position_noise``): drawn once from its generator,
+        so the same generator state, or the same ``seed``, gives the same text."""
+        if self._seed is None:
+            self._seed = int(torch.randint(0, 2**62, (1,), generator=self.generator).item())
+        return self._seed
     drafted: bool = True  # its row holds drafts: its prefill or last step proposed (else only the bonus is fresh)
     cancel_agreed: bool = False  # tensor-parallel: a cancel every rank has seen (``Scheduler._sync``)
 
@@ -171,10 +179,10 @@ class _Batch:
         self.top_k = torch.zeros(num_rows, **long)
         self.top_p = torch.ones(num_rows, device=device)
         self.state_slots = torch.zeros(num_rows, **long)  # each row's slot in the recurrent-state pools
-        self.draft_probs: torch.Tensor | None = None  # [num_rows, B-1, V], allocated when a row samples
+        self.seeds = torch.zeros(num_rows, **long)  # each sampled row's noise seed
 
     _BUFFERS = ("block", "seq_lens", "tables", "active", "do_sample", "temperature", "top_k", "top_p", "state_slots",
-                "draft_probs")
+                "seeds")
 
     @property
     def capacity(self) -> int:
@@ -443,6 +451,7 @@ class Scheduler:
             a = r.args
             batch.do_sample[i], batch.temperature[i], batch.top_k[i], batch.top_p[i] = (
                 a.do_sample, a.temperature, a.top_k, a.top_p)
+            batch.seeds[i] = r.sampling_seed() if a.do_sample else 0
         first_tokens = []
         for start, stop in prefill_groups([len(r.prompt) - r.cached for r in new]):
             first_tokens += self._prefill_rows(new[start:stop], first + start)
@@ -469,20 +478,12 @@ class Scheduler:
         pages = spec.context_bucket(max(len(r.prompt) for r in group))
         sampling = None
         if any(r.args.do_sample for r in group):
-            if batch.draft_probs is None:
-                batch.draft_probs = torch.zeros(batch.capacity, B - 1, spec.draft.config.vocab_size, device=device)
-            u = self._uniforms(group, len(group), 1 + (B - 1)).to(device)
-            sampling = spec.sampling_inputs(
-                batch.do_sample[rows], batch.temperature[rows], batch.top_k[rows], batch.top_p[rows],
-                batch.draft_probs[rows], torch.zeros(len(group), B - 1, device=device), u[:, 0], u[:, 1:],
-            )
+            sampling = spec.sampling_inputs(batch.do_sample[rows], batch.temperature[rows], batch.top_k[rows],
+                                            batch.top_p[rows], batch.seeds[rows])
         tables = batch.tables[rows, :pages]
         state_slots = batch.state_slots[rows] if cache.has_states else None
-        block, probs = spec.prefill(ids, lens, tables, cache.target_pools, cache.draft_pool, sampling, state_slots,
-                                    cached)
+        block = spec.prefill(ids, lens, tables, cache.target_pools, cache.draft_pool, sampling, state_slots, cached)
         batch.block[rows] = block
-        if probs is not None:
-            batch.draft_probs[rows] = probs
         return block[:, 0].tolist()
 
     def _step(self) -> None:
@@ -501,7 +502,7 @@ class Scheduler:
         K = plan.k if drafted else 0  # a row whose last step did not propose has only its bonus
         bucket, step_inputs = self._step_inputs(K)
         view.pages = step_inputs[2].shape[1]
-        sampling = (self._sampling(bucket, K, plan.propose),) if sampled else ()
+        sampling = (self._sampling(bucket),) if sampled else ()
         states = {"state_slots": batch.state_slots[:bucket]} if cache.has_states else {}
         drafts = any(r.args.output_drafts for r in rows)
         verified = batch.block[:bucket, 1:K + 1].tolist() if drafts else None
@@ -509,8 +510,7 @@ class Scheduler:
         variant = (bucket, K, plan.propose, sampled, step_inputs[2].shape[1] if not spec.compiled else 0)
         events = len(spec._steps.events) if spec.compiled else 0
         start = time.perf_counter()
-        tokens, num_accepted, next_block, next_probs = spec.step(*step_inputs, *sampling, **states,
-                                                                 propose=plan.propose)
+        tokens, num_accepted, next_block = spec.step(*step_inputs, *sampling, **states, propose=plan.propose)
         token_list = tokens.tolist()  # the step's one host read (it waits for the step)
         seconds = time.perf_counter() - start
         if variant not in self._timed or (spec.compiled and len(spec._steps.events) != events):
@@ -521,8 +521,6 @@ class Scheduler:
         for r in rows:
             r.drafted = plan.propose
         batch.seq_lens[:bucket] += num_accepted + batch.active[:bucket]
-        if next_probs is not None:
-            batch.draft_probs[:bucket] = next_probs
         accepted = []
         for row in token_list[: len(rows)]:
             accepted.append((row.index(-1) - 1 if -1 in row else K) if K > 0 else None)
@@ -572,25 +570,11 @@ class Scheduler:
             batch.tables[i, r.pages : len(owned)] = torch.tensor(owned[r.pages :], dtype=torch.long)
             r.pages = len(owned)
 
-    def _uniforms(self, rows: list[_Request], num_rows: int, draws: int) -> torch.Tensor:
-        """This step's ``draws`` uniforms per row ``[num_rows, draws]``, drawn on the host from each request's
-        generator in a fixed order (``[u_accept (K), u_bonus, u_draft (B-1, when the step proposes)]``; no
-        ``u_accept`` at prefill); zeros for other rows."""
-        u = torch.zeros(num_rows, draws)
-        for i, r in enumerate(rows):
-            if r.generator is not None and r.args.do_sample:
-                u[i] = torch.rand(draws, generator=r.generator)
-        return u
-
-    def _sampling(self, bucket: int, K: int, propose: bool):
-        """The step's ``SamplingInputs`` for the first ``bucket`` rows verifying ``K`` drafts."""
-        batch, B = self.batch, self.spec.block_size
-        u = self._uniforms(batch.rows, bucket, K + 1 + (B - 1 if propose else 0)).to(batch.block.device)
-        u_draft = u[:, K + 1:] if propose else torch.zeros(bucket, B - 1, device=u.device)
-        return self.spec.sampling_inputs(
-            batch.do_sample[:bucket], batch.temperature[:bucket], batch.top_k[:bucket], batch.top_p[:bucket],
-            _dense(batch.draft_probs[:bucket, :K]), _dense(u[:, :K]), _dense(u[:, K]), _dense(u_draft),
-        )
+    def _sampling(self, bucket: int):
+        """The step's ``SamplingInputs`` for the first ``bucket`` rows."""
+        batch = self.batch
+        return self.spec.sampling_inputs(batch.do_sample[:bucket], batch.temperature[:bucket], batch.top_k[:bucket],
+                                         batch.top_p[:bucket], batch.seeds[:bucket])
 
     def _emit(self, r: _Request, token: int) -> bool:
         """Append ``token`` to ``r`` and hand it out; True when ``r`` is finished: an eos token or a stop string
@@ -622,7 +606,7 @@ def _digest(r: _Request) -> int:
 
     a = r.args
     return digest(repr((r.prompt, a.max_new_tokens, a.do_sample, a.temperature, a.top_k, a.top_p,
-                        sorted(a.eos_token_ids), a.stop_strings, r.generator.initial_seed() if r.generator else None)))
+                        sorted(a.eos_token_ids), a.stop_strings, r.sampling_seed() if r.generator else None)))
 
 
 def prefill_groups(lengths: list[int], overhead: int = PREFILL_OVERHEAD_TOKENS) -> list[tuple[int, int]]:

@@ -30,7 +30,7 @@ from .kv_cache import (
     write_slots,
 )
 from .recurrent import StateAccess, step_by_token, unstep
-from .rejection import greedy_accept, process_logits, sample_from, speculative_accept
+from .rejection import greedy_accept, process_logits, sample_at_positions
 from .scheduler import Scheduler, request_generators
 from .speculation import BatchSizeSchedule, FixedK, GoodputPolicy, SpeculationPolicy, default_ks
 
@@ -173,21 +173,16 @@ class SamplingInputs(NamedTuple):
     """Per-row sampling state of one step (all tensors, so one compiled graph serves greedy and sampled rows).
 
     ``do_sample``, ``temperature``, ``top_k``, ``top_p``: ``[Bk]`` (greedy rows ignore the last three).
-    ``draft_probs [Bk, K, V]``: the drafter's processed distribution that drew the ``K`` drafts verified — the full
-    rows, because the residual ``max(p_target - p_draft, 0)`` needs them (``Bk * K * V`` floats: 16 x 15 x
-    152k fp32 is ~146 MB, fine for the vocabularies here; a large-vocab deployment would keep it in bf16).
-    ``u_accept [Bk, K]``, ``u_bonus [Bk]``, ``u_draft [Bk, B-1]``: uniforms in [0, 1) drawn on the host from each
-    request's own generator, for the acceptance tests, the residual/bonus sample and the next block's drafts.
+    ``seeds [Bk]`` (int64): each request's sampling seed. The token a sampled row draws at a position is the
+    Gumbel-max sample of the target's processed distribution there with noise hashed from (seed, position)
+    (``rejection.sample_at_positions``), so nothing else of the step (``K``, the batch, the graph) enters it.
     """
 
     do_sample: torch.Tensor
     temperature: torch.Tensor
     top_k: torch.Tensor
     top_p: torch.Tensor
-    draft_probs: torch.Tensor
-    u_accept: torch.Tensor
-    u_bonus: torch.Tensor
-    u_draft: torch.Tensor
+    seeds: torch.Tensor
 
 
 class DFlashSpecWrapper(nn.Module):
@@ -479,7 +474,7 @@ class DFlashSpecWrapper(nn.Module):
 
     def _example_step_inputs(self, cache, batch: int, pages: int, sampled: bool, K: int, propose: bool):
         """Step inputs of a key's shapes (every row inactive), to trace its graph."""
-        device, V, B = cache.device, self.draft.config.vocab_size, self.block_size
+        device = cache.device
         long = dict(dtype=torch.long, device=device)
         args = [torch.zeros(batch, K + 1, **long), torch.zeros(batch, **long),
                 torch.full((batch, pages), -1, **long), torch.zeros(batch, dtype=torch.bool, device=device),
@@ -488,7 +483,7 @@ class DFlashSpecWrapper(nn.Module):
             zeros = functools.partial(torch.zeros, device=device)
             args.append(self.sampling_inputs(
                 zeros(batch, dtype=torch.bool), zeros(batch), zeros(batch, dtype=torch.long), zeros(batch),
-                zeros(batch, K, V), zeros(batch, K), zeros(batch), zeros(batch, B - 1)))
+                zeros(batch, dtype=torch.long)))
         kwargs = {"state_slots": torch.zeros(batch, **long)} if cache.has_states else {}
         if not propose:
             kwargs["propose"] = False
@@ -509,28 +504,25 @@ class DFlashSpecWrapper(nn.Module):
         ``sampling`` (``SamplingInputs``; None: all rows greedy, the greedy-only graph), and ``state_slots [Bk]`` each
         row's slot in the recurrent-state pools (targets with linear-attention layers only; see ``recurrent.py``).
         Returns ``tokens [Bk, K+1]`` (accepted drafts then the target's next token, padded with -1),
-        ``num_accepted [Bk]``, ``next_block [Bk, B]`` (the new bonus and the drafter's ``B - 1`` drafts after it; the
-        host verifies as many of them as the next step's ``K``) and ``next_draft_probs [Bk, B-1, V]`` (None without
-        ``sampling``). With ``propose=False`` the drafter does not run (the next step verifies no draft): ``next_block``
-        is ``[Bk, 1]``, the bonus alone, and ``next_draft_probs`` None; the accepted positions still reach the
-        drafter's cache. ``K = 0`` without proposing is plain decoding.
+        ``num_accepted [Bk]`` and ``next_block [Bk, B]`` (the new bonus and the drafter's ``B - 1`` drafts after it;
+        the host verifies as many of them as the next step's ``K``). With ``propose=False`` the drafter does not run
+        (the next step verifies no draft): ``next_block`` is ``[Bk, 1]``, the bonus alone; the accepted positions
+        still reach the drafter's cache. ``K = 0`` without proposing is plain decoding.
         """
         positions, in_capacity = self._block_positions(block, seq_lens, active)
         logits, aux, states = self._verify(
             block, positions, in_capacity, seq_lens, block_tables, active, target_pools, state_slots
         )
-        tokens, num_accepted, bonus = self._accept(block, logits, active, sampling)
+        tokens, num_accepted, bonus = self._accept(block, logits, positions, active, sampling)
         if states is not None:  # recurrent layers keep the state after the bonus and the accepted drafts
             states.commit(num_accepted)
         # Context rows for the drafter: the bonus and the accepted drafts; rejected rows write nowhere.
         accepted = torch.arange(block.shape[1], device=block.device) <= num_accepted[:, None]  # [Bk, B]
         self._inject(aux, positions, accepted & in_capacity, block_tables, draft_pool)
         if not propose:
-            return tokens, num_accepted, bonus, None
-        next_block, next_draft_probs = self._propose(
-            bonus, seq_lens + num_accepted + 1, block_tables, active, draft_pool, sampling
-        )
-        return tokens, num_accepted, next_block, next_draft_probs
+            return tokens, num_accepted, bonus
+        next_block = self._propose(bonus, seq_lens + num_accepted + 1, block_tables, active, draft_pool, sampling)
+        return tokens, num_accepted, next_block
 
     # The step's phases (``forward`` is their composition; benchmarks time them one by one).
     def _block_positions(self, block, seq_lens, active):
@@ -545,15 +537,12 @@ class DFlashSpecWrapper(nn.Module):
         return self._target_forward(block, positions, in_capacity, kv_lens, block_tables, active, target_pools,
                                     state_slots=state_slots, stepped=True)
 
-    def _accept(self, block, logits, active, sampling=None):
-        """Acceptance: ``(tokens [Bk, B] padded with -1, num_accepted [Bk], bonus [Bk, 1])``."""
-        tokens, num_accepted = greedy_accept(block[:, 1:], logits.argmax(-1))
-        if sampling is not None:
-            p = sampling
-            target_probs = process_logits(logits, p.temperature, p.top_k, p.top_p).softmax(-1)  # [Bk, B, V]
-            s_tokens, s_accepted = speculative_accept(block[:, 1:], p.draft_probs, target_probs, p.u_accept, p.u_bonus)
-            tokens = torch.where(p.do_sample[:, None], s_tokens, tokens)
-            num_accepted = torch.where(p.do_sample, s_accepted, num_accepted)
+    def _accept(self, block, logits, positions, active, sampling=None):
+        """Acceptance: ``(tokens [Bk, B] padded with -1, num_accepted [Bk], bonus [Bk, 1])``. The target's token
+        after each block position (``positions + 1``): its argmax, or for sampled rows its position-keyed draw; the
+        drafts that equal them are accepted, and the first that does not is replaced by the target's."""
+        target_tokens = self._next_tokens(logits, positions + 1, sampling)
+        tokens, num_accepted = greedy_accept(block[:, 1:], target_tokens)
         bonus = tokens.gather(1, num_accepted[:, None])  # [Bk, 1]: the token after the accepted drafts
         return torch.where(active[:, None], tokens, -1), torch.where(active, num_accepted, 0), bonus
 
@@ -605,9 +594,20 @@ class DFlashSpecWrapper(nn.Module):
         slots = write_slots(block_tables, positions, valid, self.page_size).flatten()  # [Bk * T]
         draft_pool[:, :, slots] = torch.stack([k, v], dim=1).flatten(2, 3)
 
+    @staticmethod
+    def _next_tokens(logits, positions, sampling=None):
+        """The token at each of ``positions [Bk, T]`` given ``logits [Bk, T, V]`` for it: the argmax, or for rows
+        that sample the Gumbel-max draw of the processed distribution keyed by (the row's seed, the position)."""
+        tokens = logits.argmax(-1)
+        if sampling is None:
+            return tokens
+        p = sampling
+        drawn = sample_at_positions(process_logits(logits, p.temperature, p.top_k, p.top_p), p.seeds, positions)
+        return torch.where(p.do_sample[:, None], drawn, tokens)
+
     def _propose(self, bonus, ctx_lens, block_tables, active, draft_pool, sampling=None):
-        """Draft a block after ``bonus [Bk, 1]`` at position ``ctx_lens``; -> (``[Bk, B]`` bonus + the ``B - 1``
-        drafts, their processed distribution ``[Bk, B-1, V]`` or None without ``sampling``)."""
+        """Draft a block after ``bonus [Bk, 1]`` at position ``ctx_lens``; -> ``[Bk, B]``: the bonus and the
+        ``B - 1`` drafts. A sampled row drafts with the noise the target will draw with at the same positions."""
         Bk, B = bonus.shape[0], self.block_size
         block = torch.cat([bonus, bonus.new_full((Bk, B - 1), self.draft.mask_token_id)], dim=1)
         positions = ctx_lens[:, None] + torch.arange(B, device=bonus.device)
@@ -615,13 +615,8 @@ class DFlashSpecWrapper(nn.Module):
         read, _ = read_slots(block_tables, ctx_lens, self.page_size)
         kv = draft_pool[:, :, read]  # [Ld, 2, Bk, S, Hkv, D]
         logits = self.draft(block, positions, kv[:, 0], kv[:, 1], ctx_lens)  # [Bk, B-1, V]
-        drafts = logits.argmax(-1)  # [Bk, B-1]
-        probs = None
-        if sampling is not None:
-            p = sampling
-            probs = process_logits(logits, p.temperature, p.top_k, p.top_p).softmax(-1)  # [Bk, B-1, V]
-            drafts = torch.where(p.do_sample[:, None], sample_from(probs, p.u_draft), drafts)
-        return torch.cat([bonus, drafts], dim=1), probs
+        drafts = self._next_tokens(logits, positions[:, 1:], sampling)  # [Bk, B-1]
+        return torch.cat([bonus, drafts], dim=1)
 
     # ------------------------------------------------------------------ prefill
     @torch.no_grad()
@@ -631,9 +626,8 @@ class DFlashSpecWrapper(nn.Module):
         cache and draft each one's first block, all rows in one forward.
 
         ``input_ids [n, L]`` left-padded (row ``i``'s prompt is its last ``lens[i]`` tokens), ``block_tables [n,
-        NB]`` covering each prompt. Returns ``([n, B], draft_probs)``: each row's first token and its drafts, and
-        the drafts' distribution ``[n, B-1, V]`` (None without ``sampling``; there ``sampling.u_bonus`` samples
-        the first token, ``draft_probs``/``u_accept`` are unused). ``state_slots [n]``: the rows' recurrent-state
+        NB]`` covering each prompt. Returns ``[n, B]``: each row's first token (drawn at position ``lens`` for a
+        sampled row) and its drafts. ``state_slots [n]``: the rows' recurrent-state
         slots (hybrid targets), written with each prompt's final state. ``cached [n]`` (prefix caching): how many of
         each prompt's first tokens its blocks already hold (target and drafter K/V); ``input_ids`` then holds the
         rest of each prompt, which is all that runs."""
@@ -648,12 +642,8 @@ class DFlashSpecWrapper(nn.Module):
             state_slots=state_slots,
         )
         self._inject(aux, positions, real, block_tables, draft_pool)
-        last = logits[:, -1]  # [n, V]: every row's prompt ends at the last column
-        bonus = last.argmax(-1, keepdim=True)
-        if sampling is not None:
-            p = sampling
-            probs = process_logits(last, p.temperature, p.top_k, p.top_p).softmax(-1)
-            bonus = torch.where(p.do_sample[:, None], sample_from(probs, p.u_bonus)[:, None], bonus)
+        last = logits[:, -1:]  # [n, 1, V]: every row's prompt ends at the last column
+        bonus = self._next_tokens(last, lens[:, None], sampling)  # [n, 1]: the token at position lens
         return self._propose(bonus, lens, block_tables, active, draft_pool, sampling)
 
     # ------------------------------------------------------------------ host loop
@@ -831,7 +821,7 @@ class DFlashSpecWrapper(nn.Module):
 
         HF arguments: ``generation_config``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
         ``max_length``, ``stop_strings`` (needs ``tokenizer``), ``streamer`` (``put``/``end``, batch size 1).
-        Sampling is lossless (speculative sampling) and reproducible per request for the same ``K`` at every step
+        Sampling is lossless and reproducible per request whatever ``K`` each step verifies
         (see below): ``seed`` (an int for the whole batch, or one per request) or ``generator`` (one
         ``torch.Generator``, or one per request) seeds each request's own RNG; with neither, the seeds come from
         torch's global RNG (``torch.manual_seed``).

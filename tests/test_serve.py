@@ -6,6 +6,7 @@ that disconnect mid-stream; the bad-request table; the queue bound (429); Promet
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import os
 import signal
@@ -61,7 +62,7 @@ def _models(tok):
 
 def _pair(tok, **wrapper):
     target, draft = _models(tok)
-    # a fixed K: a seeded sampled request is then reproducible whatever runs beside it
+    # a fixed K, so that the tests that count steps know what each one verifies
     wrapper = {"max_seq_len": MAX_SEQ_LEN, "page_size": 8, **wrapper}
     return target, DFlashSpecWrapper(target, draft, 3, **wrapper)
 
@@ -249,6 +250,33 @@ def test_seeded_sampling_reproduces(served):
     assert a.usage.completion_tokens == 16 and c.usage.completion_tokens == 16
     d = client.completions.create(**kw, extra_body={"top_k": 5})
     assert d.usage.completion_tokens == 16
+
+
+def test_seeded_text_is_the_same_under_any_load(tok):
+    """The default speculation (``auto``: K from measured step times and the batch) behind the server: the same
+    seeded request alone and among 7 concurrent others (greedy and sampled) returns the same text."""
+    target, draft = _models(tok)
+    spec = DFlashSpecWrapper(target, draft, max_batch_size=8, max_seq_len=MAX_SEQ_LEN, page_size=8)
+    server = LiveServer(Engine(spec, tok, MODEL, max_queued=16, chat_template=CHAT_TEMPLATE))
+    try:
+        client = server.client()
+        kw = dict(model=MODEL, prompt=PROMPTS[2], max_tokens=24, temperature=0.9, seed=5, extra_body={"top_k": 20})
+        alone = client.completions.create(**kw).choices[0].text
+
+        def other(i):
+            extra = dict(temperature=1.0, seed=50 + i) if i % 2 else dict(temperature=0)
+            return server.client().completions.create(model=MODEL, prompt=PROMPTS[i % len(PROMPTS)],
+                                                     max_tokens=8 + 5 * i, **extra)
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            others = [pool.submit(other, i) for i in range(7)]
+            busy = pool.submit(lambda: client.completions.create(**kw).choices[0].text).result()
+            assert all(f.result().usage.completion_tokens == 8 + 5 * i for i, f in enumerate(others))
+        assert busy == alone and len(alone) > 0
+    finally:
+        server.stop()
+        _wait_idle(spec)
+        spec.close()
 
 
 def test_models_and_health(served):

@@ -4,8 +4,8 @@ A tiny target is saved and loaded back on each rank with ``from_pretrained(..., 
 weights, transformers' own plan); each rank runs the same wrapper. Greedy output must equal the single-process
 ``target.generate`` for a dense GQA target, an MoE one and a hybrid linear-attention one, eager and compiled with
 ``dflash`` (the DFlash passes firing on each rank's local shards), and the drafter, split over the ranks like the
-target, proposes the single-process drafter's drafts; seeded sampling equals the single-process
-wrapper's; a rank that dies makes the other fail within the collective timeout; ranks with different drafters are
+target, proposes the single-process drafter's drafts; seeded sampling over two ranks at K = 3
+equals the single-process wrapper's at K = 1; a rank that dies makes the other fail within the collective timeout; ranks with different drafters are
 refused before any work.
 """
 

@@ -41,23 +41,56 @@ class DataConfig:
 
 @dataclass
 class DraftDataset:
-    """``tokens [N, prompt_len + gen_len]`` (prompt then continuation, padded after an early eos),
-    ``lengths [N]`` valid tokens per row (eos included), ``prompt_len``: where the target's tokens start."""
+    """``tokens [N, max_len]`` (prompt then continuation, padded after an early eos), ``lengths [N]`` valid tokens
+    per row (eos included), ``prompt_len``: where the target's tokens start, or ``prompt_lens [N]`` where they
+    start row by row (chat data: prompts of every length)."""
 
     tokens: torch.Tensor
     lengths: torch.Tensor
     prompt_len: int
+    prompt_lens: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
 
+    def starts(self) -> torch.Tensor:
+        """``[N]``: where each row's target tokens start."""
+        return self.prompt_lens if self.prompt_lens is not None else torch.full((len(self),), self.prompt_len)
+
     def save(self, path) -> None:
-        torch.save({"tokens": self.tokens, "lengths": self.lengths, "prompt_len": self.prompt_len}, path)
+        d = {"tokens": self.tokens, "lengths": self.lengths, "prompt_len": self.prompt_len}
+        if self.prompt_lens is not None:
+            d["prompt_lens"] = self.prompt_lens
+        torch.save(d, path)
 
     @classmethod
     def load(cls, path) -> "DraftDataset":
         d = torch.load(path, weights_only=True)
-        return cls(d["tokens"], d["lengths"], int(d["prompt_len"]))
+        return cls(d["tokens"], d["lengths"], int(d["prompt_len"]), d.get("prompt_lens"))
+
+
+def frequent_tokens(data: DraftDataset, n: int, vocab_size: int, always=()) -> torch.Tensor:
+    """The ``n`` target tokens the target writes most often in ``data`` (its own tokens: after each row's prompt),
+    ``always`` included (e.g. the end-of-turn token), sorted by id: a reduced draft vocabulary
+    (``DFlashDraftModel.from_target(draft_vocab=...)``). Ties go to the lower id."""
+    pos = torch.arange(data.tokens.shape[1])
+    own = (pos[None] >= data.starts()[:, None]) & (pos[None] < data.lengths[:, None])
+    counts = torch.bincount(data.tokens[own], minlength=vocab_size).double()
+    always = torch.as_tensor(list(always), dtype=torch.long)
+    if len(always) > n:
+        raise ValueError(f"{len(always)} tokens must be in a draft vocabulary of {n}")
+    counts[always] = float("inf")
+    order = torch.argsort(-counts, stable=True)
+    return order[:n].sort().values
+
+
+def token_coverage(data: DraftDataset, vocab: torch.Tensor, vocab_size: int) -> float:
+    """The share of the target's own tokens in ``data`` that ``vocab`` holds."""
+    pos = torch.arange(data.tokens.shape[1])
+    own = (pos[None] >= data.starts()[:, None]) & (pos[None] < data.lengths[:, None])
+    inside = torch.zeros(vocab_size, dtype=torch.bool)
+    inside[vocab] = True
+    return float(inside[data.tokens[own]].float().mean())
 
 
 def corpus_files(corpus, pattern: str = "*.py") -> list[Path]:

@@ -112,10 +112,13 @@ def dflash_loss(
     ctx_k, ctx_v = draft.context_kv(ctx, positions)  # [L, N, T, Hkv, D]
     ids, pos, labels = block_inputs(tokens, anchors, B, draft.mask_token_id)
     logits = draft.forward_blocks(ids, pos, ctx_k, ctx_v, layer_masks(draft, anchors, T))
-    logits = logits.view(N, nb, B, -1)[:, :, 1:]  # [N, nb, B-1, V]
-    ce = F.cross_entropy(logits.float().flatten(0, 2), labels.flatten(), reduction="none").view(N, nb, B - 1)
+    logits = logits.view(N, nb, B, -1)[:, :, 1:]  # [N, nb, B-1, Vd]
+    # A reduced draft vocabulary: labels outside it (-1) cannot be drafted; they count as misses, not in the loss.
+    labels = draft.target_to_draft(labels)
+    ce = F.cross_entropy(logits.float().flatten(0, 2), labels.flatten(), reduction="none", ignore_index=-1)
+    ce = ce.view(N, nb, B - 1)
     w = position_weights(B, gamma, tokens.device) * valid[:, None, None].float()  # [N, nb, B-1] by broadcast
-    w = w.expand_as(ce)
+    w = w * (labels >= 0)
     loss = (ce * w).sum() / w.sum().clamp(min=1e-9)
     with torch.no_grad():
         hit = (logits.argmax(-1) == labels) & valid[:, None, None]

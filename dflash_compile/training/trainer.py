@@ -7,6 +7,7 @@ the checkpoint left off (same batches, same anchors, same weights as an uninterr
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import math
@@ -40,6 +41,7 @@ class TrainConfig:
     checkpoint_every: int = 200
     max_minutes: float | None = None  # stop (with a checkpoint) after this wall time
     cache_features: bool = False  # run the target once over the whole dataset and keep its features in memory
+    autocast: str | None = None  # "bfloat16": the drafter's matmuls in bf16 (fp32 weights, optimizer and loss)
     seed: int = 0
 
     def __post_init__(self):
@@ -49,6 +51,8 @@ class TrainConfig:
             raise ValueError(f"bad learning-rate schedule: {self}")
         if self.gamma is not None and self.gamma <= 0:
             raise ValueError(f"gamma must be > 0, got {self.gamma}")
+        if self.autocast not in (None, "bfloat16", "float16"):
+            raise ValueError(f"autocast must be None, 'bfloat16' or 'float16', got {self.autocast!r}")
 
     def lr_at(self, step: int) -> float:
         if step < self.warmup_steps:
@@ -108,10 +112,12 @@ def train_drafter(
     resume: bool = False,
     save_dtype: torch.dtype | None = None,
     progress: bool = True,
+    features=None,
 ) -> dict:
     """Train ``draft`` (bound to the frozen ``target``) on ``data``; write checkpoints under
     ``out_dir/checkpoints`` and the final drafter to ``out_dir`` (``DFlashDraftModel.save_pretrained``).
 
+    ``features``: a ``features.FeatureStore`` of the target over ``data`` (the target is then not run per step).
     Returns a summary: ``step`` reached, ``history`` (per-step loss and tau estimate), ``wall_s``.
     """
     from tqdm import tqdm
@@ -143,8 +149,12 @@ def train_drafter(
     aux = AuxHiddenStates(target, draft.dflash_config.target_layer_ids)
     extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(target.forward).parameters else {}
     device = next(draft.parameters()).device
-    min_anchor = torch.full((len(data),), 1 if cfg.anchors_in_prompt else data.prompt_len)
-    features = None
+    min_anchor = torch.ones(len(data), dtype=torch.long) if cfg.anchors_in_prompt else data.starts()
+    if features is not None and cfg.cache_features:
+        raise ValueError("features= and cache_features=True both give the target's features: choose one")
+    width = len(draft.dflash_config.target_layer_ids) * target.config.get_text_config().hidden_size
+    if features is not None and features.width != width:
+        raise ValueError(f"the feature store has rows of {features.width}, the drafter's target layers {width}")
     if cfg.cache_features:  # N * T * n_ids * H floats: for small targets only
         with torch.no_grad():
             chunks = []
@@ -162,15 +172,20 @@ def train_drafter(
             T = int(lengths.max())
             tokens = data.tokens[idx, :T].to(device)
             anchors, valid = sample_anchors(lengths, cfg.blocks_per_seq, draft.block_size, min_anchor[idx], gen)
-            if features is not None:
+            if isinstance(features, torch.Tensor):
                 hidden = features[idx, :T].to(device)
+            elif features is not None:
+                hidden = features.batch(idx, T).to(device)
             else:
                 with torch.no_grad():
                     target(input_ids=tokens, use_cache=False, **extra)
                     hidden = aux.read()
             for group in opt.param_groups:
                 group["lr"] = cfg.lr_at(step)
-            loss, m = dflash_loss(draft, hidden, tokens, anchors.to(device), valid.to(device), gamma)
+            amp = (torch.autocast(device.type, dtype=getattr(torch, cfg.autocast)) if cfg.autocast
+                   else contextlib.nullcontext())
+            with amp:
+                loss, m = dflash_loss(draft, hidden, tokens, anchors.to(device), valid.to(device), gamma)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(draft.parameters(), cfg.grad_clip)
