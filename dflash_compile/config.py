@@ -119,6 +119,14 @@ class DFlashConfig:
         layer_types = config.get("layer_types") or ["full_attention"] * num_layers
         if len(layer_types) != num_layers:
             raise ValueError(f"layer_types has {len(layer_types)} entries for {num_layers} drafter layers")
+        if dflash.get("causal", config.get("is_causal", False)):
+            raise ValueError("the config says the drafter's attention is causal (dflash_config.causal / is_causal); "
+                             "a DFlash block here is non-causal in every layer")
+        window = config.get("sliding_window") if "sliding_attention" in layer_types else None
+        swa = dflash.get("swa_window_size")
+        if swa is not None and window is not None and swa != window:
+            raise ValueError(f"two sliding windows: dflash_config.swa_window_size {swa}, sliding_window {window}")
+        window = window if window is not None else (swa if "sliding_attention" in layer_types else None)
         target_layer_ids = dflash.get("target_layer_ids", config.get("target_layer_ids"))
         if target_layer_ids is None:
             target_layer_ids = default_target_layer_ids(_integer("num_target_layers", num_target_layers), num_layers)
@@ -128,7 +136,7 @@ class DFlashConfig:
             target_layer_ids=tuple(target_layer_ids),
             layer_types=tuple(layer_types),
             num_target_layers=num_target_layers,
-            sliding_window=config.get("sliding_window") if "sliding_attention" in layer_types else None,
+            sliding_window=window,
             draft_vocab_size=dflash.get("draft_vocab_size", config.get("draft_vocab_size")),
         )
 
@@ -140,12 +148,15 @@ class DFlashConfig:
                 "block_size": self.block_size,
                 "mask_token_id": self.mask_token_id,
                 "target_layer_ids": list(self.target_layer_ids),
+                "causal": False,  # a block sees all of itself in every layer (vLLM reads sliding layers as causal
+                                  # unless told)
             },
             "num_target_layers": self.num_target_layers,
             "layer_types": list(self.layer_types),
         }
         if self.sliding_window is not None:
             out["sliding_window"] = self.sliding_window
+            out["dflash_config"]["swa_window_size"] = self.sliding_window  # where vLLM's DFlash looks first
         if self.draft_vocab_size is not None:
             out["dflash_config"]["draft_vocab_size"] = self.draft_vocab_size
         return out

@@ -23,6 +23,13 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP
 
 from .config import DFlashConfig, _integer, default_target_layer_ids
 from .hf_format import WEIGHT_NAMES, authors_config, is_transformers_format, transformers_config
+from .speculators_format import (
+    authors_config_from_speculators,
+    is_speculators_format,
+    speculators_config,
+    speculators_weights,
+    weights_from_speculators,
+)
 from .kv_cache import context_visibility
 
 _CONFIG_NAME = "config.json"
@@ -456,6 +463,7 @@ class DFlashDraftModel(nn.Module):
             rope_parameters=rope,
             layer_types=list(layer_types),
             sliding_window=sliding_window,
+            use_sliding_window=sliding_window is not None,
         )
         arch.update(overrides)
         config = Qwen3Config(**arch)
@@ -521,8 +529,15 @@ class DFlashDraftModel(nn.Module):
         raw = _with_target_facts(json.loads(cfg_file.read_text()), num_target_layers=num_target_layers,
                                  vocab_size=vocab_size)
         names = {}  # our weight name -> the checkpoint's
+        speculators = is_speculators_format(raw)
         if is_transformers_format(raw):
             raw, names = authors_config(raw), WEIGHT_NAMES
+        elif speculators:
+            try:
+                raw = authors_config_from_speculators(raw)
+            except ValueError as e:
+                raise ValueError(f"{cfg_file}: {e}") from None
+            raw = _with_target_facts(raw, num_target_layers=num_target_layers, vocab_size=vocab_size)
         arch = raw.get("architectures") or []
         if arch and "DFlashDraftModel" not in arch:
             raise ValueError(f"{cfg_file} describes {arch}, not a DFlashDraftModel")
@@ -537,6 +552,9 @@ class DFlashDraftModel(nn.Module):
         with torch.device("meta"):
             model = cls(config, dflash)
         expected = {names.get(k, k): v.shape for k, v in model.state_dict().items()}
+        if speculators and dflash.draft_vocab_size is not None:  # its names and t2d (speculators_format)
+            expected["lm_head.weight"] = expected.pop("draft_head.weight")
+            expected["t2d"] = torch.Size([config.vocab_size])
         # Names, shapes and dtypes from the files' headers: nothing is read into memory before they check out.
         header: dict[str, tuple[Path, tuple[int, ...], str]] = {}
         for f in files:
@@ -556,6 +574,7 @@ class DFlashDraftModel(nn.Module):
         not_float = sorted(
             f"{f.name}: {k!r} is {dt}" for k, (f, _, dt) in header.items()
             if not dt.startswith(("F", "BF")) and not (k == "d2t" and dt.startswith("I"))
+            and not (speculators and k == "t2d" and dt == "BOOL")
         )
         problems = []
         if missing:
@@ -575,6 +594,11 @@ class DFlashDraftModel(nn.Module):
                     state[key] = st.get_tensor(key)
                     if not bool(torch.isfinite(state[key]).all()):
                         raise ValueError(f"malformed DFlash checkpoint: {f}: weight {key!r} has non-finite values")
+        if speculators:
+            try:
+                state = weights_from_speculators(state, config.vocab_size)
+            except ValueError as e:
+                raise ValueError(f"malformed DFlash checkpoint {path}: {e}") from None
         model = model.to_empty(device=device or "cpu")
         ours = {v: k for k, v in names.items()}
         model.load_state_dict({ours.get(k, k): v for k, v in state.items()}, strict=True)
@@ -597,8 +621,8 @@ class DFlashDraftModel(nn.Module):
         if self.split_over is not None:
             raise ValueError(f"this drafter is split over {self.split_over[1]} ranks and holds one rank's share of "
                              f"each layer: save the drafter before a tensor-parallel wrapper splits it")
-        if format not in ("dflash", "transformers"):
-            raise ValueError(f"unknown checkpoint format {format!r}: expected 'dflash' or 'transformers'")
+        if format not in ("dflash", "transformers", "speculators"):
+            raise ValueError(f"unknown checkpoint format {format!r}: expected 'dflash', 'transformers' or 'speculators'")
         names = {}  # our weight name -> the checkpoint's
         if format == "transformers" and self.draft_vocab_size is not None:
             raise ValueError("transformers' DFlash assistant format has no reduced draft vocabulary: save this "
@@ -606,11 +630,16 @@ class DFlashDraftModel(nn.Module):
         if format == "transformers":
             dtype = next(self.parameters()).dtype
             cfg, names = transformers_config(self.config, self.dflash_config, dtype).to_dict(), WEIGHT_NAMES
+        elif format == "speculators":
+            cfg = speculators_config(self.config, self.dflash_config)
         else:
             cfg = self.config.to_dict()
             for k in ("dflash_config", "target_layer_ids", "mask_token_id"):
                 cfg.pop(k, None)
             cfg.update(self.dflash_config.to_dict())
+            # transformers' Qwen3Config keeps sliding_window only with use_sliding_window (else it reads None, and
+            # so would the authors' class and vLLM): the window must mean the same to every reader
+            cfg["use_sliding_window"] = "sliding_attention" in self.dflash_config.layer_types
             cfg["architectures"] = ["DFlashDraftModel"]
             cfg["model_type"] = "qwen3"
             # Also the legacy flat rope_theta that published checkpoints carry.
@@ -621,6 +650,8 @@ class DFlashDraftModel(nn.Module):
         path.mkdir(parents=True, exist_ok=True)
         (path / _CONFIG_NAME).write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
         state = {names.get(k, k): v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        if format == "speculators":
+            state = {k: v.contiguous() for k, v in speculators_weights(state, self.config.vocab_size).items()}
         save_file(state, str(path / _WEIGHTS_NAME), metadata={"format": "pt"})
 
 
@@ -688,6 +719,9 @@ def _full_attention_rope(tcfg) -> dict:
 def _qwen3_config(raw: dict, dflash: DFlashConfig) -> Qwen3Config:
     fields = {k: v for k, v in raw.items() if k not in ("dflash_config", "architectures", "auto_map", "model_type")}
     fields["layer_types"] = list(dflash.layer_types)
+    # the drafter's own window, as transformers' Qwen3Config keeps it (only with use_sliding_window)
+    fields["use_sliding_window"] = dflash.sliding_window is not None
+    fields["sliding_window"] = dflash.sliding_window
     if fields.get("rope_parameters") is None:
         fields["rope_parameters"] = {
             "rope_type": (raw.get("rope_scaling") or {}).get("rope_type", "default"),
