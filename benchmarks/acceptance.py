@@ -1,7 +1,12 @@
-"""Acceptance length of a DFlash pair on HumanEval prompts and on the drafter's own training data.
+"""Acceptance length of a DFlash pair on HumanEval prompts, the held-out chat prompts and the drafter's own
+training data.
 
     python benchmarks/acceptance.py [--target DIR --draft DIR | --pair-revision REV] [--first 0 --last 39] \\
-        [--max-new 128] [--data build/dflash_data/dflash_data_KEY.pt --data-rows 64] [--json OUT.json]
+        [--max-new 128] [--chat N] [--data build/dflash_data/dflash_data_KEY.pt --data-rows 64] [--json OUT.json]
+
+A target whose tokenizer has a chat template gets each HumanEval task as a chat request ("Complete the following
+Python function", benchmarks/bench_humaneval.py's ``benchmark_prompts``), and ``--chat N`` adds the first ``N``
+held-out chat prompts (dflash_compile/assets/chat_prompts.json).
 
 Greedy, batch 1 (each prompt alone, so nothing depends on padding), ``--max-new`` new tokens (stopping at
 eos). Reports the acceptance length (1 + accepted drafts / steps, summed over the prompts), the share of steps
@@ -58,6 +63,7 @@ def main(argv=None) -> int:
     p.add_argument("--rstrip", action="store_true",
                    help="strip the prompts' trailing newline (README, \"Training\": a bare newline token means "
                         "column 0)")
+    p.add_argument("--chat", type=int, default=0, help="also the first N held-out chat prompts (a chat target)")
     p.add_argument("--data", default=None, help="a drafter dataset cache (.pt) to measure on as well")
     p.add_argument("--data-rows", type=int, default=64)
     p.add_argument("--json", default=None)
@@ -79,16 +85,29 @@ def main(argv=None) -> int:
     report = {"target": str(target_dir), "draft": str(draft_dir), "block_size": spec.block_size,
               "max_new": args.max_new}
     with torch.no_grad():
-        prompts = [tok(x)["input_ids"] for x in humaneval_prompts(args.first, args.last, rstrip=args.rstrip)]
-        report["humaneval"] = dict(measure(spec, target, prompts, args.max_new, "HumanEval"),
-                                   first=args.first, last=args.last, rstrip=args.rstrip)
+        chat = bool(getattr(tok, "chat_template", None))
+        if chat:
+            from bench_humaneval import benchmark_prompts
+
+            texts = benchmark_prompts("humaneval", args.last + 1, tok, True)[args.first:]
+            enc = lambda t: tok(t, add_special_tokens=False)["input_ids"]  # noqa: E731  (the template has them)
+        else:
+            texts = humaneval_prompts(args.first, args.last, rstrip=args.rstrip)
+            enc = lambda t: tok(t)["input_ids"]  # noqa: E731
+        report["humaneval"] = dict(measure(spec, target, [enc(t) for t in texts], args.max_new, "HumanEval"),
+                                   first=args.first, last=args.last, rstrip=args.rstrip, chat_template=chat)
+        if args.chat:
+            from bench_humaneval import benchmark_prompts
+
+            texts = benchmark_prompts("chat", args.chat, tok, True)
+            report["chat"] = dict(measure(spec, target, [enc(t) for t in texts], args.max_new, "chat"))
         if args.data:
             ds = DraftDataset.load(args.data)
             rows = ds.tokens[: args.data_rows, : ds.prompt_len].tolist()
             report["own_data"] = dict(measure(spec, target, rows, args.max_new, "own data"), path=args.data)
     spec.close()
     report["wall_s"] = round(time.time() - t0, 1)
-    for name in ("humaneval", "own_data"):
+    for name in ("humaneval", "chat", "own_data"):
         if name in report:
             r = report[name]
             print(f"{name}: acceptance length {r['acceptance_length']:.2f} over {r['prompts']} prompts "

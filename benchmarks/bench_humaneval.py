@@ -18,7 +18,7 @@ Methods (``--methods``, default all):
 - ``hf_assisted``: classic assisted generation with a small assistant on the target's tokenizer (only when
   ``--assistant`` holds one), trained with
 
-      python examples/train_target.py --out build/assistant --tokenizer dflash_compile/assets/default_pair/target \\
+      python examples/train_target.py --out build/assistant --tokenizer dflash_compile/assets/tiny_pair/target \\
           --hidden 96 --intermediate 256 --layers 2 --heads 2 --kv-heads 1 --steps 600 --seed 0
 
 - ``dflash_eager`` / ``dflash_compiled``: ``DFlashSpecWrapper``, eager and ``compile(backend="dflash",
@@ -74,6 +74,28 @@ def humaneval_prompts(n: int) -> list[str]:
     from dflash_compile.training.loops import humaneval_prompts as prompts
 
     return prompts(0, n - 1)
+
+
+def benchmark_prompts(kind: str, n: int, tok, chat: bool) -> list[str]:
+    """The texts a benchmark sends: ``kind`` "humaneval" (the first ``n`` tasks) or "chat" (the first ``n`` of the
+    held-out chat prompts, ``dflash_compile/assets/chat_prompts.json``); with ``chat``, each as one user turn in
+    the tokenizer's chat template with its generation prompt (HumanEval as "Complete the following Python
+    function" with the task in a code block, the request the chat drafter's training data phrases the same way)."""
+    if kind == "humaneval":
+        texts = humaneval_prompts(n)
+        users = [f"Complete the following Python function:\n```python\n{t.rstrip()}\n```" for t in texts]
+    elif kind == "chat":
+        from importlib.resources import files
+
+        users = texts = json.loads(files("dflash_compile.assets").joinpath("chat_prompts.json").read_text())["prompts"][:n]
+    else:
+        raise SystemExit(f"unknown --prompts {kind!r}: humaneval or chat")
+    if not chat:
+        if kind == "chat":
+            raise SystemExit("--prompts chat needs a tokenizer with a chat template")
+        return texts
+    return [tok.apply_chat_template([{"role": "user", "content": u}], tokenize=False, add_generation_prompt=True)
+            for u in users]
 
 
 def _rows(seqs: torch.Tensor, prompt_width: int, eos: int) -> list[list[int]]:
@@ -281,7 +303,8 @@ def run(args) -> dict:
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
     draft = DFlashDraftModel.from_pretrained(draft_dir, dtype=torch.float32)
     eos, pad = tok.eos_token_id, tok.pad_token_id
-    texts = humaneval_prompts(args.num_prompts)
+    chat = {"auto": bool(getattr(tok, "chat_template", None)), "chat": True, "raw": False}[args.format]
+    texts = benchmark_prompts(args.prompts, args.num_prompts, tok, chat)
     gen = dict(do_sample=False, max_new_tokens=args.max_new, eos_token_id=eos, pad_token_id=pad)
     max_prompt = max(len(tok(t)["input_ids"]) for t in texts)
     cache_len = -(-(max_prompt + args.max_new) // 128) * 128
@@ -415,6 +438,8 @@ def run(args) -> dict:
         "repeats": args.repeats,
         "batch_sizes": batch_sizes,
         "methods": list(methods),
+        "prompts": args.prompts,
+        "chat_template": chat,
         "hf_compiled_max_cache_len": cache_len,
         "results": results,
         "phases": phases,
@@ -430,11 +455,12 @@ def _short(path: str) -> str:
 
 def write(report: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_humaneval.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / f"bench_{report['prompts']}.json").write_text(json.dumps(report, indent=2) + "\n")
     r, methods, sizes = report["results"], report["methods"], report["batch_sizes"]
     n = report["num_prompts"]
     lines = [
-        f"HumanEval prompts ({n}), greedy, up to {report['max_new_tokens']} new tokens, median of "
+        f"{'HumanEval' if report['prompts'] == 'humaneval' else 'Chat'} prompts ({n}"
+        f"{', in the chat template' if report.get('chat_template') else ''}), greedy, up to {report['max_new_tokens']} new tokens, median of "
         f"{report['repeats']} interleaved rounds (every method once per round) after one warm-up pass of each; "
         f"{report['machine']}, torch {report['torch']}, "
         f"transformers {report['transformers']}. Target {_short(report['target'])}, drafter {_short(report['draft'])}. "
@@ -482,7 +508,7 @@ def write(report: dict, out: Path) -> None:
         if ar:
             lines += ["", f"One compiled step (graph + dynamo, {step:.3f} ms) = {step / (1e3 / ar):.2f}x one token of "
                           f"HF's compile path ({1e3 / ar:.3f} ms/token at batch 1)."]
-    (out / "bench_humaneval.md").write_text("\n".join(lines) + "\n")
+    (out / f"bench_{report['prompts']}.md").write_text("\n".join(lines) + "\n")
     try:
         import matplotlib
 
@@ -500,7 +526,7 @@ def write(report: dict, out: Path) -> None:
         ax.set_title(f"HumanEval prompts ({n}), greedy, {report['machine']}")
         ax.legend()
         fig.tight_layout()
-        fig.savefig(out / "bench_humaneval.png", dpi=100)
+        fig.savefig(out / f"bench_{report['prompts']}.png", dpi=100)
     except ImportError:
         print("matplotlib is not installed: no plot")
 
@@ -512,6 +538,10 @@ def main(argv=None):
     p.add_argument("--pair-revision", default=None,
                    help="the default pair as it was at this git revision (benchmarks/pairs.py), e.g. an earlier pair")
     p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--prompts", default="humaneval", choices=("humaneval", "chat"),
+                   help="HumanEval tasks, or the held-out chat prompts (dflash_compile/assets/chat_prompts.json)")
+    p.add_argument("--format", default="auto", choices=("auto", "chat", "raw"),
+                   help="send each prompt in the tokenizer's chat template (auto: when it has one) or as raw text")
     p.add_argument("--max-new", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--methods", default="all", help=f"comma list of {','.join(METHODS)} (default all)")

@@ -26,7 +26,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash_compile import DFlashDraftModel, DFlashSpecWrapper
-from dflash_compile.assets import default_pair_paths
+from dflash_compile.assets import tiny_pair_paths
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_humaneval import humaneval_prompts
@@ -59,7 +59,7 @@ def main(argv=None):
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    target_dir, draft_dir = (args.target, args.draft) if args.target else default_pair_paths()
+    target_dir, draft_dir = (args.target, args.draft) if args.target else tiny_pair_paths()
     tok = AutoTokenizer.from_pretrained(target_dir)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
     draft = DFlashDraftModel.from_pretrained(draft_dir, dtype=torch.float32)

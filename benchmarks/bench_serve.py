@@ -413,7 +413,9 @@ class Bench:
             commit, self.cwd = package_at(args.revision, self.logs / "src")
             self.env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(self.cwd), os.environ.get("PYTHONPATH")]))
             self.source = f"revision {commit}"
-            pair = tuple(self.cwd / "dflash_compile" / "assets" / "default_pair" / d for d in ("target", "draft"))
+            assets = self.cwd / "dflash_compile" / "assets"
+            folder = next(f for f in (assets / "tiny_pair", assets / "default_pair") if f.is_dir())  # its old name
+            pair = tuple(folder / d for d in ("target", "draft"))
         if pair is None:
             from dflash_compile.assets import default_pair_paths
 

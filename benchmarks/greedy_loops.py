@@ -46,9 +46,9 @@ def main(argv=None) -> int:
 
         args.target = str(pair_at_revision(args.pair_revision)[0])
     elif args.target is None:
-        from dflash_compile.assets import default_pair_paths
+        from dflash_compile.assets import tiny_pair_paths
 
-        args.target = str(default_pair_paths()[0])
+        args.target = str(tiny_pair_paths()[0])
     t0 = time.time()
     tok = AutoTokenizer.from_pretrained(args.target)
     model = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()

@@ -1,5 +1,5 @@
-"""The default pair as it was at any git revision, for benchmarks that compare figures across a change of the
-shipped pair.
+"""The tiny code pair as it was at any git revision, for benchmarks that compare figures across a change of that
+pair (it lived in ``assets/default_pair`` until the chat pair became the default).
 
     python benchmarks/pairs.py REV          # extracts it, prints "TARGET_DIR DRAFT_DIR"
     python benchmarks/bench_humaneval.py --pair-revision REV ...
@@ -19,7 +19,7 @@ import tarfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PAIR = "dflash_compile/assets/default_pair"
+PAIRS = ("dflash_compile/assets/tiny_pair", "dflash_compile/assets/default_pair")  # its folder, newest name first
 
 
 def _git(*args: str) -> bytes:
@@ -34,6 +34,8 @@ def _git(*args: str) -> bytes:
 def pair_at_revision(rev: str) -> tuple[Path, Path]:
     """``(target_dir, draft_dir)`` of the default pair at revision ``rev`` (extracted under build/pairs/)."""
     commit = _git("rev-parse", "--verify", f"{rev}^{{commit}}").decode().strip()
+    listed = _git("ls-tree", "-d", "--name-only", commit, "dflash_compile/assets/").decode().split()
+    PAIR = next((p for p in PAIRS if p in listed), PAIRS[0])
     out = REPO / "build" / "pairs" / commit
     target, draft = out / PAIR / "target", out / PAIR / "draft"
     if not ((target / "config.json").is_file() and (draft / "config.json").is_file()):
@@ -44,7 +46,7 @@ def pair_at_revision(rev: str) -> tuple[Path, Path]:
             tar.extractall(tmp, filter="data")
         if not (tmp / PAIR / "target" / "config.json").is_file():
             shutil.rmtree(tmp)
-            raise SystemExit(f"revision {rev} ({commit[:10]}) has no default pair under {PAIR}")
+            raise SystemExit(f"revision {rev} ({commit[:10]}) has no tiny pair under {PAIR}")
         shutil.rmtree(out, ignore_errors=True)
         tmp.replace(out)
     return target, draft

@@ -1,10 +1,12 @@
 """One screen that shows what DFlash does: the same prompt through HF ``generate`` (greedy) and through the
 compiled DFlash step, side by side.
 
-    python examples/demo.py                      # the shipped default pair, backend dflash (what `make demo` runs)
-    python examples/demo.py --prompt "def is_prime(n: int) -> bool:" --max-new-tokens 96
+    python examples/demo.py                      # the chat pair (SmolLM2-135M-Instruct), backend dflash: `make demo`
+    python examples/demo.py --prompt "How do I make a good cup of tea?" --max-new-tokens 96
     python examples/demo.py --backend eager      # no compile
-    python examples/demo.py --target TARGET_DIR --draft DRAFT_DIR
+    python examples/demo.py --target TARGET_DIR --draft DRAFT_DIR [--raw]
+
+A target whose tokenizer has a chat template gets the prompt as a user turn in it (``--raw``: as plain text).
 
 Prints the completion once, tokens/s of each (median of ``--runs`` rounds, the two methods interleaved, after
 an untimed warm-up run; one CPU thread by default), the speed-up, whether the two outputs are identical, the
@@ -30,14 +32,8 @@ import torch  # noqa: E402
 from dflash_compile import DFlashDraftModel, DFlashSpecWrapper  # noqa: E402
 from dflash_compile.generation import DFlashStats  # noqa: E402
 
-# Ends at the docstring's closing quotes, not a newline: the shipped tokenizer (byte-level BPE) merges a newline
-# with the next line's indentation, so a prompt ending in a bare newline token says "the next line starts at column
-# 0" and the model writes top-level code instead of the body.
-DEFAULT_PROMPT = '''import os
-
-
-def read_lines(path):
-    """Return the lines of the file at ``path``, without their newlines."""'''
+# One of the held-out chat prompts (dflash_compile/assets/chat_prompts.json): the drafter never trained on it.
+DEFAULT_PROMPT = "Explain how photosynthesis works in simple terms."
 BAR_WIDTH = 30
 
 
@@ -48,7 +44,7 @@ def _load(target_dir: str | None, draft_dir: str | None):
         from dflash_compile.assets import default_pair_paths
 
         target_dir, draft_dir = (str(p) for p in default_pair_paths())
-        where = "the shipped default pair"
+        where = "the shipped default pair (SmolLM2-135M-Instruct and its DFlash drafter)"
     else:
         where = f"{target_dir} + {draft_dir}"
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
@@ -56,7 +52,7 @@ def _load(target_dir: str | None, draft_dir: str | None):
     tok = AutoTokenizer.from_pretrained(target_dir)
     params = sum(p.numel() for p in target.parameters()) / 1e6
     print(f"{where}: target {type(target).__name__} {params:.2f}M parameters, drafter "
-          f"{sum(p.numel() for p in draft.parameters()) / 1e6:.2f}M, block size {draft.config.block_size}")
+          f"{sum(p.numel() for p in draft.parameters()) / 1e6:.2f}M, block size {draft.block_size}")
     return target, draft, tok
 
 
@@ -87,6 +83,7 @@ def main(argv=None) -> int:
     p.add_argument("--target", help="HF causal LM directory (with its tokenizer); default: the shipped pair")
     p.add_argument("--draft", help="DFlash drafter directory")
     p.add_argument("--prompt", default=DEFAULT_PROMPT)
+    p.add_argument("--raw", action="store_true", help="send the prompt as plain text, not in the chat template")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--backend", default="dflash", choices=("dflash", "eager"),
                    help="dflash: the compiled step (default); eager: no compile")
@@ -102,14 +99,18 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
 
     target, draft, tok = _load(args.target, args.draft)
-    ids = torch.tensor([tok(args.prompt).input_ids])
+    chat = bool(getattr(tok, "chat_template", None)) and not args.raw
+    text = (tok.apply_chat_template([{"role": "user", "content": args.prompt}], tokenize=False,
+                                    add_generation_prompt=True) if chat else args.prompt)
+    ids = torch.tensor([tok(text, add_special_tokens=not chat).input_ids])
     n = args.max_new_tokens
-    hf_kwargs = dict(max_new_tokens=n, do_sample=False, pad_token_id=tok.pad_token_id)
+    hf_kwargs = dict(max_new_tokens=n, do_sample=False, pad_token_id=tok.pad_token_id,
+                     attention_mask=torch.ones_like(ids))
 
-    capacity = ids.shape[1] + n + 2 * draft.config.block_size
+    capacity = ids.shape[1] + n + 2 * draft.block_size
     # One request at a time on the shipped pair, the whole block pays at every step (benchmarks/bench_batch.py): a
     # fixed K keeps the demo at one step graph; speculation="auto", the default, compiles one per K it may choose.
-    spec = DFlashSpecWrapper(target, draft, draft.config.block_size - 1, max_batch_size=1, max_seq_len=capacity)
+    spec = DFlashSpecWrapper(target, draft, draft.block_size - 1, max_batch_size=1, max_seq_len=capacity)
     if args.backend == "dflash":
         spec.compile(backend="dflash", cache_dir=CACHE_DIR)
         print(f"the DFlash step with backend 'dflash', compile cache {os.path.relpath(CACHE_DIR)} (first run: "
@@ -128,8 +129,12 @@ def main(argv=None) -> int:
     stats = out.per_request[0]
 
     rule = "-" * 72
-    print(f"\n{rule}\n{args.prompt}", end="")
-    print(tok.decode(dflash_tokens), end="")
+    if chat:
+        print(f"\n{rule}\nuser: {args.prompt}\nassistant: ", end="")
+        print(tok.decode(dflash_tokens, skip_special_tokens=True), end="")
+    else:
+        print(f"\n{rule}\n{args.prompt}", end="")
+        print(tok.decode(dflash_tokens), end="")
     print(f"\n{rule}")
     hf_rate, dflash_rate = len(hf_tokens) / hf_time, len(dflash_tokens) / dflash_time
     label = "DFlash, compiled (backend dflash)" if args.backend == "dflash" else "DFlash, eager"

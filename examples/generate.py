@@ -5,7 +5,8 @@
     python examples/generate.py --prompt "def fib(n):" --stream --backend dflash
     torchrun --nproc-per-node 2 examples/generate.py --tp 2 --backend dflash   # the target split over 2 ranks
 
-Without --target/--draft it uses the shipped default pair (dflash_compile/assets/default_pair) when it exists;
+Without --target/--draft it uses the shipped default pair (SmolLM2-135M-Instruct and its DFlash drafter) when it
+is installed;
 until then a tiny randomly initialised Qwen3 target and drafter (no download, no tokenizer: the prompt's UTF-8
 bytes are the token ids and token ids are printed), and says so: the output is then meaningless tokens, but
 the whole pipeline runs. A prompts file has one JSON object per line with a "prompt" field (or a JSON string).
@@ -29,8 +30,6 @@ import time
 from collections import Counter
 
 BACKENDS = ("eager", "dflash", "dflash_neuron")
-DEFAULT_PAIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dflash_compile", "assets",
-                            "default_pair")
 
 
 def check_backend(name: str) -> str:
@@ -52,7 +51,8 @@ def _random_pair(block_size: int):
     )
     target = Qwen3ForCausalLM(config).eval()
     target.generation_config.eos_token_id = target.generation_config.pad_token_id = None
-    draft = DFlashDraftModel.from_target(target, num_layers=2, block_size=block_size, seed=0)
+    # no tokenizer: the last id is the mask token (the prompt's UTF-8 bytes are the token ids, all below 256)
+    draft = DFlashDraftModel.from_target(target, num_layers=2, block_size=block_size, seed=0, mask_token_id=511)
     return target, draft, None
 
 
@@ -138,11 +138,8 @@ def _start_ranks(p, tp: int) -> None:
 
 def _default_pair_dirs():
     """``(target_dir, draft_dir)`` of the shipped default pair, or None while it is not there."""
-    try:
-        from dflash_compile.assets import default_pair_paths
-    except ImportError:
-        dirs = tuple(os.path.join(DEFAULT_PAIR, x) for x in ("target", "draft"))
-        return dirs if all(os.path.exists(os.path.join(d, "config.json")) for d in dirs) else None
+    from dflash_compile.assets import default_pair_paths
+
     try:
         return tuple(str(d) for d in default_pair_paths())
     except FileNotFoundError:
@@ -219,6 +216,9 @@ def main(argv=None) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", default="def fib(n):")
     src.add_argument("--prompts-file", help="JSONL: one {\"prompt\": ...} per line")
+    p.add_argument("--raw", action="store_true",
+                   help="send prompts as plain text even when the tokenizer has a chat template (default: one user "
+                        "turn each in it)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); > 0: sampling")
     p.add_argument("--top-k", type=int, default=0, help="0: off")
@@ -253,10 +253,15 @@ def main(argv=None) -> None:
 
     if not args.target and _default_pair_dirs():
         args.target, args.draft = _default_pair_dirs()
-        print(f"using the shipped default pair ({DEFAULT_PAIR})")
+        print(f"using the shipped default pair ({args.target}, {args.draft})")
     if args.target:
         target, draft, tok = _load_pair(p, args.target, args.draft, args.tp)
-        inputs = [tok(x).input_ids for x in prompts]
+        if getattr(tok, "chat_template", None) and not args.raw:  # a chat model: each prompt is one user turn
+            prompts = [tok.apply_chat_template([{"role": "user", "content": x}], tokenize=False,
+                                               add_generation_prompt=True) for x in prompts]
+            inputs = [tok(x, add_special_tokens=False).input_ids for x in prompts]
+        else:
+            inputs = [tok(x).input_ids for x in prompts]
     else:
         print("NOTE: no --target/--draft given and no default pair shipped yet: using a tiny RANDOMLY INITIALISED "
               "random pair (target + drafter; meaningless tokens, low acceptance; no tokenizer: prompt bytes are "
@@ -264,9 +269,15 @@ def main(argv=None) -> None:
         target, draft, tok = _random_pair(args.block_size)
         if args.tp > 1:  # the same seeded target on every rank, reloaded with the tensor-parallel plan
             with tempfile.TemporaryDirectory() as d:
-                target.save_pretrained(d)
+                # every rank writes its own copy (save_pretrained writes on rank 0 only once a group exists)
+                from safetensors.torch import save_file
+
+                target.config.to_json_file(os.path.join(d, "config.json"))
+                save_file({k: v.detach().clone().contiguous() for k, v in target.state_dict().items()},
+                          os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
                 target = _load_split(d)
-            draft = DFlashDraftModel.from_target(target, num_layers=2, block_size=args.block_size, seed=0)
+            draft = DFlashDraftModel.from_target(target, num_layers=2, block_size=args.block_size, seed=0,
+                                                 mask_token_id=511)
         inputs = [list(x.encode("utf-8")) for x in prompts]
 
     sampling = dict(do_sample=args.temperature > 0)
@@ -279,7 +290,7 @@ def main(argv=None) -> None:
         except (ValueError, OSError) as e:
             p.error(f"--speculative-config: {e}")
     else:
-        block = draft.config.block_size
+        block = draft.block_size
         if args.num_speculative_tokens is not None and args.num_speculative_tokens > block - 1:
             p.error(f"--num-speculative-tokens must be in [0, {block - 1}] for a drafter of block size {block}, "
                     f"got {args.num_speculative_tokens}")

@@ -46,7 +46,9 @@ def main(argv=None) -> int:
     p.add_argument("--gen-batch", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-minutes", type=float, default=None)
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="the target's dtype while it writes (bfloat16: ~2-4x faster on CPUs with AVX-512 BF16; the "
+                        "folder records it)")
     args = p.parse_args(argv)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

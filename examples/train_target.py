@@ -7,7 +7,7 @@ non-UTF-8 and duplicate files left out). A fixed share of the files (``--held-ou
 seed and the file) is held out for the held-out loss. The corpus manifest (package, version, licence, files,
 bytes, tokens) is written to ``OUT/corpus_manifest.json``. Nothing is downloaded.
 
-    python examples/train_target.py --out dflash_compile/assets/default_pair/target --seed 0
+    python examples/train_target.py --out dflash_compile/assets/tiny_pair/target --seed 0
 
 (the defaults are the shipped target's architecture; README, "Training", has the exact commands, seeds and
 wall times of the shipped pair) writes an HF ``Qwen3ForCausalLM`` (``save_pretrained``, fp16 safetensors by default) and a byte-level BPE

@@ -6,6 +6,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 # Without a GPU, Triton kernels run in its interpreter; that must be decided before anything imports triton.
 if not os.path.exists("/dev/nvidia0"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Converted real models (the SmolLM2 GGUF) once per machine, shared by every test and subprocess: each test's compile
+# cache is its own (below), a 30 s conversion per test would not be.
+os.environ.setdefault("DFLASH_MODELS_DIR", os.path.join(os.path.dirname(os.path.dirname(__file__)), "build", "dflash-models"))
 # Compiled artefacts shared across tests (and runs) in the repo's ignored build dir.
 os.environ.setdefault(
     "TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.dirname(os.path.dirname(__file__)), "build", "inductor-cache")

@@ -23,9 +23,12 @@ def _git_checkout() -> bool:
 
 @pytest.mark.skipif(not _git_checkout(), reason="needs git and a git checkout of the repository")
 def test_pair_at_revision_extracts_the_committed_pair():
-    from pairs import PAIR, pair_at_revision
+    from pairs import PAIRS, pair_at_revision
 
     target, draft = pair_at_revision("HEAD")
+    root = next(p for p in target.parents if p.parent.name == "pairs")  # build/pairs/<commit>
+    PAIR = target.parent.relative_to(root).as_posix()
+    assert PAIR in PAIRS  # the tiny pair's folder, by the name it had at that revision
     for d, name in ((target, "target"), (draft, "draft")):
         for f in ("config.json", "model.safetensors"):
             committed = subprocess.run(["git", "-C", ROOT, "show", f"HEAD:{PAIR}/{name}/{f}"], capture_output=True,

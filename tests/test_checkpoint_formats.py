@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config
 
 from dflash_compile import DFlashDraftModel
-from dflash_compile.assets import default_pair_paths
+from dflash_compile.assets import tiny_pair_paths
 from tiny_models import VOCAB, tiny_target
 
 KINDS = {
@@ -98,7 +98,7 @@ def test_written_configs_mean_what_we_run(target, kind, tmp_path):
 
 
 def test_the_shipped_drafter_means_what_we_run():
-    _, draft_dir = default_pair_paths()
+    _, draft_dir = tiny_pair_paths()
     cfg = json.loads((draft_dir / "config.json").read_text())
     draft = DFlashDraftModel.from_pretrained(draft_dir)
     assert vllm_view(cfg) == ours(draft) and ours(draft)["window"] == 192

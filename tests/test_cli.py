@@ -18,15 +18,20 @@ def _cli():
     return module
 
 
-def _run(*args):
+def _run(*args, default_pair=False):
+    """The CLI on the tiny code pair (a fast trained pair), or with ``default_pair`` on what it picks by itself."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    if not default_pair and "--target" not in args:
+        from dflash_compile.assets import tiny_pair_paths
+
+        args = ("--target", str(tiny_pair_paths()[0]), "--draft", str(tiny_pair_paths()[1]), *args)
     return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, env=env, timeout=300,
                           cwd=ROOT)
 
 
 @pytest.mark.parametrize("extra", [[], ["--temperature", "0.8", "--seed", "1", "--stream"]], ids=["greedy", "stream"])
 def test_cli_runs(extra):
-    r = _run("--prompt", "def fib(n):", "--max-new-tokens", "32", *extra)
+    r = _run("--prompt", "def fib(n):", "--max-new-tokens", "32", *extra, default_pair=True)
     assert r.returncode == 0, r.stderr
     assert ("default pair" if _cli()._default_pair_dirs() else "RANDOMLY INITIALISED random pair") in r.stdout
     assert "tokens/s" in r.stdout and "acceptance length" in r.stdout and "accepted per draft position" in r.stdout
@@ -130,14 +135,14 @@ def test_demo_shows_both_methods_side_by_side():
                        capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     out = r.stdout
-    assert "the shipped default pair" in out and "identical output: yes" in out
+    assert "the shipped default pair (SmolLM2-135M-Instruct" in out and "identical output: yes" in out
     assert "HF generate, greedy" in out and "DFlash, eager" in out and "speed-up" in out
-    assert "def read_lines(path):" in out  # the prompt and its completion, printed once
+    assert "user: Explain how photosynthesis works" in out and "assistant: " in out  # the chat, printed once
     bars = [line for line in out.splitlines() if line.strip().startswith("draft ")]
     from dflash_compile import DFlashDraftModel
     from dflash_compile.assets import default_pair_paths
 
-    assert len(bars) == DFlashDraftModel.from_pretrained(default_pair_paths()[1]).config.block_size - 1
+    assert len(bars) == DFlashDraftModel.from_pretrained(default_pair_paths()[1]).block_size - 1
 
 
 def test_demo_errors():

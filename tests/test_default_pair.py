@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash_compile import DFlashDraftModel, DFlashSpecWrapper
-from dflash_compile.assets import default_pair_paths
+from dflash_compile.assets import tiny_pair_paths
 
 # Prompts as a user writes them for a code model: a signature and its docstring, ending at the closing quotes
 # (not at a newline: README, "Training", on why a bare newline token means column 0).
@@ -27,7 +27,7 @@ MAX_NEW = 64
 
 @pytest.fixture(scope="module")
 def pair():
-    target_dir, draft_dir = default_pair_paths()
+    target_dir, draft_dir = tiny_pair_paths()
     tok = AutoTokenizer.from_pretrained(target_dir)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
     draft = DFlashDraftModel.from_pretrained(draft_dir, dtype=torch.float32)
@@ -58,7 +58,7 @@ def test_default_pair_speculates_as_well_as_measured(pair):
 def test_default_pair_fits_the_package_budget_and_records_its_licences():
     import json
 
-    target_dir, draft_dir = default_pair_paths()
+    target_dir, draft_dir = tiny_pair_paths()
     files = [f for d in (target_dir, draft_dir) for f in d.iterdir() if f.is_file()]
     assert sum(f.stat().st_size for f in files) <= 25 * 2**20
     # the target was trained on permissively licensed Python only, and says so next to its weights

@@ -257,10 +257,10 @@ def test_missing_block_size(tmp_path):
 def test_mask_token_is_never_ordinary_text():
     from transformers import AutoTokenizer
 
-    from dflash_compile.assets import default_pair_paths
+    from dflash_compile.assets import tiny_pair_paths
     from dflash_compile.config import choose_mask_token, is_ordinary_token
 
-    tok = AutoTokenizer.from_pretrained(default_pair_paths()[0])
+    tok = AutoTokenizer.from_pretrained(tiny_pair_paths()[0])
     target = tiny_target("qwen3", vocab_size=len(tok))
     mask = tok.convert_tokens_to_ids("<|mask|>")
     assert DFlashDraftModel.from_target(target, tokenizer=tok).mask_token_id == mask == tok.mask_token_id

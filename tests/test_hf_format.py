@@ -164,9 +164,9 @@ def _default_pair(sliding=False):
     its first layer sliding over 8 positions (one block) and the others full attention."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dflash_compile.assets import default_pair_paths
+    from dflash_compile.assets import tiny_pair_paths
 
-    target_dir, draft_dir = default_pair_paths()
+    target_dir, draft_dir = tiny_pair_paths()
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
     prompt = AutoTokenizer.from_pretrained(target_dir)(["def fibonacci(n):\n"], return_tensors="pt")["input_ids"]
     draft = DFlashDraftModel.from_pretrained(draft_dir, dtype=torch.float32)

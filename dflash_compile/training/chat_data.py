@@ -296,7 +296,8 @@ def generate_shards(model, tokenizer, out_dir, cfg: ChatDataConfig, num_shards: 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     meta = out_dir / "config.json"
-    want = {"data": asdict(cfg), "vocab_size": len(tokenizer)}
+    want = {"data": asdict(cfg), "vocab_size": len(tokenizer),
+            "target_dtype": str(next(model.parameters()).dtype).removeprefix("torch.")}
     if meta.is_file():
         have = json.loads(meta.read_text())
         if have != want:
@@ -321,20 +322,21 @@ def generate_shards(model, tokenizer, out_dir, cfg: ChatDataConfig, num_shards: 
     return sum(1 for i in range(num_shards) if (out_dir / f"shard_{i:05d}.npz").is_file())
 
 
-def to_dataset(folder, pad_id: int, max_len: int | None = None, shards: int | None = None):
-    """The conversations of ``folder``'s first ``shards`` shards (all by default) as a ``DraftDataset`` with
-    per-row ``prompt_lens`` (a response starts after its chat prompt), cut at ``max_len`` tokens."""
+def to_dataset(folders, pad_id: int, max_len: int | None = None, shards: int | None = None):
+    """The conversations of each folder's first ``shards`` shards (all by default; ``folders``: one or a list) as a
+    ``DraftDataset`` with per-row ``prompt_lens`` (a response starts after its chat prompt), cut at ``max_len``."""
     from .data import DraftDataset
 
+    folders = [folders] if isinstance(folders, (str, Path)) else list(folders)
     convs, starts = [], []
-    for shard in load_shards(folder)[:shards]:
+    for shard in [s for f in folders for s in load_shards(f)[:shards]]:
         for t, p in zip(shard["tokens"], shard["prompt_lens"]):
             t = t[:max_len] if max_len else t
             if len(t) > p:  # a response token at least
                 convs.append(t)
                 starts.append(p)
     if not convs:
-        raise ValueError(f"no conversation in {folder}")
+        raise ValueError(f"no conversation in {folders}")
     L = max(map(len, convs))
     tokens = torch.full((len(convs), L), pad_id, dtype=torch.long)
     for i, t in enumerate(convs):
