@@ -42,7 +42,7 @@ class Mutant:
 _DRAFT_QWEN3 = "tests/test_drafting.py::test_partly_right_drafter_is_accepted_as_far_as_it_is_right[qwen3]"
 _FROM_SCRATCH = "tests/test_drafting.py::test_wrapper_drafts_are_the_drafter_on_the_whole_context[qwen3-fixed]"
 _COMPILED = "tests/test_compiled_generate.py::test_compiled_equals_eager[qwen3-dflash]"
-_DEFAULT_PAIR = "tests/test_default_pair.py::test_default_pair_speculates_as_well_as_measured"
+_TINY_PAIR = "tests/test_tiny_pair.py::test_tiny_pair_speculates_as_well_as_measured"
 _LAW = "tests/test_sampling.py::test_sampled_law_matches_target"
 _FROM_SCRATCH_SWITCHING = _FROM_SCRATCH.replace("-fixed]", "-switching]")
 
@@ -54,7 +54,7 @@ MUTANTS = (
            "greedy acceptance compares draft i with the target's token i + 1"),
     Mutant("propose_rope_offset", "dflash_compile/spec_wrapper.py",
            (("positions = ctx_lens[:, None] + torch.arange(B,", "positions = ctx_lens[:, None] + 1 + torch.arange(B,"),),
-           (_DRAFT_QWEN3, _FROM_SCRATCH, _DEFAULT_PAIR),
+           (_DRAFT_QWEN3, _FROM_SCRATCH, _TINY_PAIR),
            "the drafter's block positions shifted by one (RoPE offset in _propose)"),
     Mutant("compiled_drafter_pool_write_skipped", "dflash_compile/passes/paged_scatter.py",
            (("    torch.ops.dflash.paged_kv_write(pool, slots, values)",

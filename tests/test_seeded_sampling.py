@@ -4,6 +4,7 @@ whoever shares the batch (greedy and sampled rows, joining and leaving at other 
 gloo ranks: tests/test_tensor_parallel.py; the server under two loads: tests/test_serve.py.)"""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -50,11 +51,16 @@ def test_same_tokens_for_every_k(pair, reference):
     assert tokens == reference, ks
 
 
+def _running(spec) -> int:
+    batch = spec.scheduler.batch
+    return 0 if batch is None else len(batch.rows)
+
+
 def test_same_tokens_in_a_busy_batch_under_auto(pair, reference):
     target, draft = pair
     others = random_prompts([3, 30, 14, 7, 21, 5], seed=6)
     with DFlashSpecWrapper(target, draft, max_batch_size=8, max_seq_len=128) as spec:
-        results, start = {}, threading.Barrier(len(others) + 1)
+        results, start = {}, threading.Barrier(len(others))
 
         def caller(i, prompt):
             kw = dict(max_new_tokens=5 + 7 * i)  # rows leave the batch at other steps
@@ -66,7 +72,10 @@ def test_same_tokens_in_a_busy_batch_under_auto(pair, reference):
         threads = [threading.Thread(target=caller, args=(i, p)) for i, p in enumerate(others)]
         for t in threads:
             t.start()
-        start.wait()
+        deadline = time.monotonic() + 60
+        while _running(spec) < 3:  # join a batch already running: not in its first row
+            assert time.monotonic() < deadline, "the other callers' requests never ran"
+            time.sleep(0.001)
         h = spec.submit(PROMPT, seed=11, **KW)
         mine = h.result().tokens
         for t in threads:

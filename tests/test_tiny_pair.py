@@ -1,4 +1,4 @@
-"""The shipped default pair loads offline and speculates well on code (a cheap check, not the benchmark)."""
+"""The tiny code pair (7.35 M target, its drafter) loads offline and speculates well on code (a cheap check, not the benchmark)."""
 
 from __future__ import annotations
 
@@ -34,14 +34,14 @@ def pair():
     return tok, target, draft
 
 
-def test_default_pair_loads_fp32(pair):
+def test_tiny_pair_loads_fp32(pair):
     tok, target, draft = pair
     assert next(target.parameters()).dtype == torch.float32 and next(draft.parameters()).dtype == torch.float32
     assert tok.eos_token_id is not None and draft.config.vocab_size == target.config.vocab_size
     assert sum(p.numel() for p in target.parameters()) < 50e6
 
 
-def test_default_pair_speculates_as_well_as_measured(pair):
+def test_tiny_pair_speculates_as_well_as_measured(pair):
     tok, target, draft = pair
     spec = DFlashSpecWrapper(target, draft, speculation="fixed", max_batch_size=1)  # the whole block, every step
     taus = {}
@@ -55,7 +55,7 @@ def test_default_pair_speculates_as_well_as_measured(pair):
     assert all(taus[t] >= floor for t, floor in TAU_FLOORS.items()), taus
 
 
-def test_default_pair_fits_the_package_budget_and_records_its_licences():
+def test_tiny_pair_fits_the_package_budget_and_records_its_licences():
     import json
 
     target_dir, draft_dir = tiny_pair_paths()
