@@ -11,7 +11,6 @@ from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config
 
 from dflash_compile import DFlashDraftModel
-from dflash_compile.assets import tiny_pair_paths
 from tiny_models import VOCAB, tiny_target
 
 KINDS = {
@@ -97,11 +96,14 @@ def test_written_configs_mean_what_we_run(target, kind, tmp_path):
     assert speculators_view(cfg) == ours(draft)
 
 
-def test_the_shipped_drafter_means_what_we_run():
-    _, draft_dir = tiny_pair_paths()
+@pytest.mark.parametrize("pair,window", [("tiny", 192), ("chat", 256)])
+def test_the_shipped_drafters_mean_what_we_run(pair, window):
+    from dflash_compile.assets import _ROOT
+
+    draft_dir = _ROOT / f"{pair}_pair" / "draft"
     cfg = json.loads((draft_dir / "config.json").read_text())
     draft = DFlashDraftModel.from_pretrained(draft_dir)
-    assert vllm_view(cfg) == ours(draft) and ours(draft)["window"] == 192
+    assert vllm_view(cfg) == ours(draft) and ours(draft)["window"] == window
 
 
 @pytest.mark.parametrize("kind", list(KINDS))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from importlib.resources import files
+from pathlib import Path
 
 import pytest
 import torch
@@ -47,12 +48,12 @@ def test_real_target_is_the_gguf_model(real_target):
     assert tok.eos_token == "<|im_end|>" and "<|im_start|>assistant" in tok.chat_template
 
 
-def _identical(target, spec, prompts):
+def _identical(target, spec, prompts, max_new=MAX_NEW):
     stats = []
     for ids in prompts:
         x = torch.tensor([ids])
-        ref = target.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=MAX_NEW)
-        out = spec.generate(x, max_new_tokens=MAX_NEW, return_dict_in_generate=True)
+        ref = target.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=max_new)
+        out = spec.generate(x, max_new_tokens=max_new, return_dict_in_generate=True)
         assert out.sequences.tolist() == ref.tolist()
         stats.append(out.per_request[0])
     return stats
@@ -66,17 +67,23 @@ def test_random_drafter_is_lossless(real_target):
         _identical(target, spec, [chat_ids(tok, p) for p in _chat_prompts()[:1]])
 
 
-# Measured on these two held-out prompts (fp32, K = 7, 40 new tokens): a little above each floor.
-TAU_FLOORS = {0: 2.0, 1: 2.0}
+# The shipped drafter on the first two conversations of its training data (48 new tokens, fp32, K = 7): measured 3.06
+# and 4.70. Held-out prompts it accepts far less (docs/training.md); these floors catch a drafting bug that costs
+# speed but not tokens (a position off by one, a context row lost, the vocabulary map applied wrongly).
+TAU_FLOORS = (2.8, 4.3)
 
 
 def test_shipped_drafter_is_lossless_and_drafts_as_measured(real_target):
     from dflash_compile.assets import chat_pair_paths
+    from dflash_compile.training.chat_data import load_shards
 
     tok, target = real_target
     draft = DFlashDraftModel.from_pretrained(chat_pair_paths(progress=False)[1], dtype=torch.float32)
-    assert draft.draft_vocab_size is not None and draft.mask_token_id == tok.convert_tokens_to_ids("<empty_output>")
+    assert draft.draft_vocab_size == 16384 and draft.mask_token_id == tok.convert_tokens_to_ids("<empty_output>")
+    shard = load_shards(Path(__file__).resolve().parents[1] / "training_data" / "smollm2-135m-instruct")[0]
+    own = [shard["tokens"][i][: shard["prompt_lens"][i]] for i in range(len(TAU_FLOORS))]
+    held_out = [chat_ids(tok, _chat_prompts()[0])]
     with DFlashSpecWrapper(target, draft, num_speculative_tokens=7, max_batch_size=1) as spec:
-        stats = _identical(target, spec, [chat_ids(tok, _chat_prompts()[i]) for i in TAU_FLOORS])
-    taus = [s.acceptance_length for s in stats]
-    assert all(t >= floor for t, floor in zip(taus, TAU_FLOORS.values())), taus
+        stats = _identical(target, spec, own + held_out, max_new=48)
+    taus = [s.acceptance_length for s in stats[: len(own)]]
+    assert all(t >= floor for t, floor in zip(taus, TAU_FLOORS)), taus
