@@ -58,7 +58,9 @@ class _Request:
     cancelled: bool = False
     handle: RequestHandle | None = None
     acceptance: AcceptanceHistory | None = None  # per-position acceptance, for the speculation policy
-    _seed: int | None = None
+    drafted: bool = True  # its row holds drafts: its prefill or last step proposed (else only the bonus is fresh)
+    cancel_agreed: bool = False  # tensor-parallel: a cancel every rank has seen (``Scheduler._sync``)
+    _seed: int | None = None  # drawn by sampling_seed
 
     def sampling_seed(self) -> int:
         """The seed of this request's sampling noise (``rejection.position_noise``): drawn once from its generator,
@@ -66,8 +68,6 @@ class _Request:
         if self._seed is None:
             self._seed = int(torch.randint(0, 2**62, (1,), generator=self.generator).item())
         return self._seed
-    drafted: bool = True  # its row holds drafts: its prefill or last step proposed (else only the bonus is fresh)
-    cancel_agreed: bool = False  # tensor-parallel: a cancel every rank has seen (``Scheduler._sync``)
 
 
 @dataclass
@@ -469,7 +469,7 @@ class Scheduler:
     def _prefill_rows(self, group: list[_Request], first: int) -> list[int]:
         """Prefill ``group`` (in rows ``first..``) in one left-padded forward; -> their first tokens."""
         spec, batch, cache = self.spec, self.batch, self.cache
-        device, B = cache.device, spec.block_size
+        device = cache.device
         rows = slice(first, first + len(group))
         L = max(len(r.prompt) - r.cached for r in group)  # what runs: each prompt past its cached pages
         ids = torch.tensor([[0] * (L - len(r.prompt) + r.cached) + r.prompt[r.cached:] for r in group], device=device)

@@ -7,7 +7,6 @@ import threading
 import time
 
 import pytest
-import torch
 
 from dflash_compile import DFlashDraftModel, DFlashSpecWrapper
 from oracle_draft import SWITCHING, CyclePolicy
