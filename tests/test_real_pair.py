@@ -79,7 +79,7 @@ def test_shipped_drafter_is_lossless_and_drafts_as_measured(real_target):
 
     tok, target = real_target
     draft = DFlashDraftModel.from_pretrained(chat_pair_paths(progress=False)[1], dtype=torch.float32)
-    assert draft.draft_vocab_size == 16384 and draft.mask_token_id == tok.convert_tokens_to_ids("<empty_output>")
+    assert draft.draft_vocab_size == 8192 and draft.mask_token_id == tok.convert_tokens_to_ids("<empty_output>")
     shard = load_shards(Path(__file__).resolve().parents[1] / "training_data" / "smollm2-135m-instruct")[0]
     own = [shard["tokens"][i][: shard["prompt_lens"][i]] for i in range(len(TAU_FLOORS))]
     held_out = [chat_ids(tok, _chat_prompts()[0])]
