@@ -170,7 +170,11 @@ def test_cli_over_two_nodes_through_torchrun_rendezvous():
     """``examples/generate.py --tp 2`` as two "nodes" on 127.0.0.1 (``--nnodes 2``, c10d rendezvous), one process
     each: rank 0 prints the single-process text, the other rank prints nothing of it."""
     script = str(Path(__file__).parents[1] / "examples" / "generate.py")
-    args = ["--max-new-tokens", "12", "--prompt", "def add(a, b):"]
+    from dflash_compile.assets import tiny_pair_paths
+
+    # the tiny pair: its 4 heads split over 2 ranks (the default SmolLM2 target's 9 do not, and the CLI says so)
+    target_dir, draft_dir = tiny_pair_paths()
+    args = ["--target", str(target_dir), "--draft", str(draft_dir), "--max-new-tokens", "12", "--prompt", "def add(a, b):"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DFLASH_TP_TIMEOUT": str(TIMEOUT_S)}
     single = subprocess.run([sys.executable, script, *args], env=env, capture_output=True, text=True, timeout=300)
     assert single.returncode == 0, single.stderr[-3000:]
