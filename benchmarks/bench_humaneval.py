@@ -258,11 +258,11 @@ def phase_profile(target, draft, encs: list[dict], args, repeats: int = 50) -> d
     phases = {name: torch.compile(fn, backend="dflash", fullgraph=True, dynamic=False) for name, fn in
               {"verify": verify, "accept": spec._accept, "inject": inject, "propose": spec._propose}.items()}
     logits, aux, positions, ok = phases["verify"](block, seq_lens, tables, active, pools)
-    tokens, num_accepted, bonus = phases["accept"](block, logits, active)
+    tokens, num_accepted, bonus = phases["accept"](block, logits, positions, active)
     valid = (torch.arange(block.shape[1]) <= num_accepted[:, None]) & ok
     phase_args = {
         "verify": (block, seq_lens, tables, active, pools),
-        "accept": (block, logits, active),
+        "accept": (block, logits, positions, active),
         "inject": (aux, positions, valid, tables, draft_pool),
         "propose": (bonus, seq_lens + num_accepted + 1, tables, active, draft_pool),
     }
