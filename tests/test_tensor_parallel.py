@@ -174,7 +174,8 @@ def test_cli_over_two_nodes_through_torchrun_rendezvous():
 
     # the tiny pair: its 4 heads split over 2 ranks (the default SmolLM2 target's 9 do not, and the CLI says so)
     target_dir, draft_dir = tiny_pair_paths()
-    args = ["--target", str(target_dir), "--draft", str(draft_dir), "--max-new-tokens", "12", "--prompt", "def add(a, b):"]
+    args = ["--target", str(target_dir), "--draft", str(draft_dir),
+            "--max-new-tokens", "12", "--prompt", "def add(a, b):"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DFLASH_TP_TIMEOUT": str(TIMEOUT_S)}
     single = subprocess.run([sys.executable, script, *args], env=env, capture_output=True, text=True, timeout=300)
     assert single.returncode == 0, single.stderr[-3000:]
