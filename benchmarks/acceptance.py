@@ -30,7 +30,7 @@ import torch
 def measure(spec, target, prompts: list[list[int]], max_new: int, desc: str) -> dict:
     from tqdm import tqdm
 
-    from dflash_compile.generation import DFlashStats
+    from dflash_compile.runtime.generation import DFlashStats
 
     per_prompt, stats = [], []
     for ids in tqdm(prompts, desc=desc, mininterval=10):

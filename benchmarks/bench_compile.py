@@ -72,7 +72,7 @@ def worker(args) -> dict:
     metrics = {k: sum(v) for k, v in compilation_time_metrics.items()}
     if args.on_miss == "background":  # the compile runs on after the first tokens: nothing of it was waited for
         metrics = {}
-    events = spec._steps.events
+    events = spec.compiled_steps.events
     loaded = sum(s for _, how, s in events if how == "loaded")
     return {"total_s": total, "phases": phases_of(metrics, loaded, total),
             "events": [(str(k), how, s) for k, how, s in events], "metrics": metrics}

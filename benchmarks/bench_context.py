@@ -24,8 +24,8 @@ import torch
 
 from _harness import load_pair
 from dflash_compile import DFlashSpecWrapper
-from dflash_compile.compiled_step import CompiledSteps
-from dflash_compile.generation import resolve_generation_args
+from dflash_compile.runtime.compiled_steps import CompiledSteps
+from dflash_compile.runtime.generation import resolve_generation_args
 
 
 def main() -> None:
@@ -54,12 +54,12 @@ def main() -> None:
         for ctx in args.contexts:
             n = ctx - spec.verify_len
             prompts = [torch.randint(10, 1000, (n,), generator=g).tolist() for _ in range(batch)]
-            spec._steps = graphs["dynamic (one for every length)"]  # compiled: the pools are allocated at capacity
+            spec.compiled_steps = graphs["dynamic (one for every length)"]  # compiled: the pools are allocated at capacity
             gen = resolve_generation_args(target, n, {"max_new_tokens": 8})
             bucket, inputs = spec.scheduler.prefill_batch(prompts, gen)
             calls = {}
             for name, steps in graphs.items():
-                spec._steps = steps
+                spec.compiled_steps = steps
                 key = steps.key(bucket, inputs[2].shape[1], False, spec.verify_len)
                 how, seconds = steps.prepare(key, inputs, {})
                 print(f"batch {batch}, context {ctx}, {name}: {how} in {seconds:.1f} s", flush=True)

@@ -20,8 +20,8 @@ import torch
 
 from _harness import load_pair
 from dflash_compile import DFlashSpecWrapper
-from dflash_compile.compiled_step import CompiledSteps
-from dflash_compile.generation import resolve_generation_args
+from dflash_compile.runtime.compiled_steps import CompiledSteps
+from dflash_compile.runtime.generation import resolve_generation_args
 
 VARIANTS = {
     "one unit, precompiled header": {"cpp_wrapper_build_separate": False, "cpp_cache_precompile_headers": True},
@@ -44,7 +44,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     for batch in args.batches:
         spec.scheduler = type(spec.scheduler)(spec)
-        spec._steps = next(iter(steps.values()))  # compiled: pools at capacity
+        spec.compiled_steps = next(iter(steps.values()))  # compiled: pools at capacity
         prompts = [torch.randint(10, 1000, (args.context,), generator=g).tolist() for _ in range(batch)]
         gen = resolve_generation_args(target, args.context, {"max_new_tokens": 8})
         bucket, inputs = spec.scheduler.prefill_batch(prompts, gen)

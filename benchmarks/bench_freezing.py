@@ -19,7 +19,7 @@ import torch
 from _harness import load_pair
 from dflash_compile import DFlashSpecWrapper
 from dflash_compile.backends import dflash_backend
-from dflash_compile.generation import resolve_generation_args
+from dflash_compile.runtime.generation import resolve_generation_args
 
 
 def main() -> None:

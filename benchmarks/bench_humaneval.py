@@ -14,7 +14,7 @@ Methods (``--methods``, default all):
   graphs compiled during the warm-up (per call) and during the timed runs (should be 0).
 - ``hf_prompt_lookup``: prompt lookup decoding, ``prompt_lookup_num_tokens=--lookup-tokens``.
 - ``hf_dflash``: transformers' native DFlash (``assistant_model=A, speculation_type="dflash"``) with ``A``
-  our drafter rebuilt as ``MuseGlimmerAssistantModel`` (``dflash_compile.hf_format.transformers_assistant``).
+  our drafter rebuilt as ``MuseGlimmerAssistantModel`` (``dflash_compile.models.hf_format.transformers_assistant``).
 - ``hf_assisted``: classic assisted generation with a small assistant on the target's tokenizer (only when
   ``--assistant`` holds one), trained with
 
@@ -61,7 +61,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, CompileConfig  # n
 from transformers.generation.utils import GenerationMixin  # noqa: E402
 
 from dflash_compile import DFlashDraftModel, DFlashSpecWrapper  # noqa: E402
-from dflash_compile.hf_format import transformers_assistant  # noqa: E402
+from dflash_compile.models.hf_format import transformers_assistant  # noqa: E402
 from pairs import resolve_pair  # noqa: E402  (benchmarks/pairs.py)
 
 METHODS = ("hf_greedy", "hf_compiled", "hf_prompt_lookup", "hf_dflash", "hf_assisted", "dflash_eager",
@@ -208,7 +208,7 @@ def phase_profile(target, draft, encs: list[dict], args, repeats: int = 50) -> d
     spec = DFlashSpecWrapper(target, draft, speculation="fixed", max_batch_size=1)
     spec.compile(backend=timed_backend, fullgraph=True)
     clock = {"call": 0.0, "admit": 0.0}
-    call, admit = spec._steps.run, spec.scheduler._admit
+    call, admit = spec.compiled_steps.run, spec.scheduler._admit
 
     def timed_call(*a, **k):
         t0 = time.perf_counter()
@@ -222,7 +222,7 @@ def phase_profile(target, draft, encs: list[dict], args, repeats: int = 50) -> d
         clock["admit"] += time.perf_counter() - t0
         return out
 
-    spec._steps.run, spec.scheduler._admit = timed_call, timed_admit
+    spec.compiled_steps.run, spec.scheduler._admit = timed_call, timed_admit
     eos = target.generation_config.eos_token_id
 
     def generate_all():
@@ -248,15 +248,15 @@ def phase_profile(target, draft, encs: list[dict], args, repeats: int = 50) -> d
     out["context_pages"] = tables.shape[1]
 
     def verify(block, seq_lens, tables, active, pools):
-        positions, ok = spec._block_positions(block, seq_lens, active)
-        logits, aux, _ = spec._verify(block, positions, ok, seq_lens, tables, active, pools)  # no recurrent layers
+        positions, ok = spec.dflash_step.positions(block, seq_lens, active)
+        logits, aux, _ = spec.dflash_step.verify(block, positions, ok, seq_lens, tables, active, pools)  # no recurrent layers
         return logits, aux, positions, ok
 
     def inject(aux, positions, valid, tables, draft_pool):
-        spec._inject(aux, positions, valid, tables, draft_pool)
+        spec.dflash_step.inject(aux, positions, valid, tables, draft_pool)
 
     phases = {name: torch.compile(fn, backend="dflash", fullgraph=True, dynamic=False) for name, fn in
-              {"verify": verify, "accept": spec._accept, "inject": inject, "propose": spec._propose}.items()}
+              {"verify": verify, "accept": spec.dflash_step.accept, "inject": inject, "propose": spec.dflash_step.propose}.items()}
     logits, aux, positions, ok = phases["verify"](block, seq_lens, tables, active, pools)
     tokens, num_accepted, bonus = phases["accept"](block, logits, positions, active)
     valid = (torch.arange(block.shape[1]) <= num_accepted[:, None]) & ok

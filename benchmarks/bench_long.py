@@ -37,7 +37,7 @@ class _StepClock:
 
     def __init__(self, spec: DFlashSpecWrapper):
         self.calls: list[tuple[int, float]] = []
-        inner = spec._steps.run
+        inner = spec.compiled_steps.run
 
         def timed(key, args, kwargs):
             t0 = time.perf_counter()
@@ -45,7 +45,7 @@ class _StepClock:
             self.calls.append((args[2].shape[1], time.perf_counter() - t0))
             return out
 
-        spec._steps.run = timed
+        spec.compiled_steps.run = timed
 
 
 @torch.no_grad()
@@ -75,13 +75,13 @@ def main(argv=None):
     t0 = time.perf_counter()
     first = spec.generate(ids, **kw)
     first_s = time.perf_counter() - t0
-    compiles = [(str(key), how, round(seconds, 2)) for key, how, seconds in spec._steps.events]
+    compiles = [(str(key), how, round(seconds, 2)) for key, how, seconds in spec.compiled_steps.events]
     clock.calls.clear()
     t0 = time.perf_counter()
     second = spec.generate(ids, **kw)
     second_s = time.perf_counter() - t0
     assert torch.equal(first.sequences, second.sequences)
-    assert len(spec._steps.events) == len(compiles), "the second pass compiled"
+    assert len(spec.compiled_steps.events) == len(compiles), "the second pass compiled"
     ranges = [b * spec.page_size for b in spec.context_buckets]  # 128, 256, ... tokens: report per range
     per_range = {}
     for pages, s in clock.calls:

@@ -20,8 +20,8 @@ from torch._dynamo.utils import counters
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dflash_compile import DFlashDraftModel, DFlashSpecWrapper
-from dflash_compile.generation import resolve_generation_args
-from dflash_compile.scheduler import Scheduler
+from dflash_compile.runtime.generation import resolve_generation_args
+from dflash_compile.runtime.scheduler import Scheduler
 
 
 def build(args):
@@ -40,7 +40,7 @@ def build(args):
 def step_inputs(spec, bucket, prompt_len):
     """``bucket`` random prompts prefilled together through ``spec``'s own admission, and the step's inputs for
     them, exactly as ``generate`` builds them (fresh pools each call)."""
-    spec._cache = None
+    spec.pools.cache = None
     spec.scheduler = Scheduler(spec)
     g = torch.Generator().manual_seed(bucket)
     vocab = spec.draft.config.vocab_size

@@ -123,7 +123,7 @@ class CollectiveCounter:
 
     def __init__(self):
         from dflash_compile import backends
-        from dflash_compile.distributed import TensorParallel
+        from dflash_compile.runtime.distributed import TensorParallel
 
         self.graphs: list[dict] = []
         self.host_gathers = 0
@@ -165,7 +165,7 @@ class CollectiveCounter:
 def step_collectives(spec, counter: CollectiveCounter, before: int, events_before: int, store: Path) -> dict:
     """The collectives of the step graphs ``spec.precompile`` just made ready: counted where compiled (and kept in
     ``store``), read back from ``store`` where loaded from the compile cache."""
-    steps = spec._steps  # the wrapper's CompiledSteps: which key was compiled or loaded, and its cache folder
+    steps = spec.compiled_steps  # the wrapper's CompiledSteps: which key was compiled or loaded, and its cache folder
     kept = json.loads(store.read_text()) if store.is_file() else {}
     fresh = iter(counter.graphs[before:])
     out = {}
@@ -191,7 +191,7 @@ def worker(args) -> None:
     if distributed:
         import torch.distributed as dist
 
-        from dflash_compile.distributed import init_distributed
+        from dflash_compile.runtime.distributed import init_distributed
 
         rank, world = init_distributed()
     else:
@@ -222,7 +222,7 @@ def worker(args) -> None:
         # one cache per configuration: a graph saved at one thread count is refused by its guards at another
         # (torch's global-state guard on the intra-op thread count) and compiled again
         spec.compile(backend="dflash", cache_dir=Path(args.cache_dir) / args.config)
-        before, events_before = len(counter.graphs), len(spec._steps.events)
+        before, events_before = len(counter.graphs), len(spec.compiled_steps.events)
         t1 = time.perf_counter()
         report = spec.precompile(batch_sizes=[args.batch], progress=False)
         compile_info[m] = {"graphs": {k_: list(v) for k_, v in report.items()},

@@ -260,7 +260,7 @@ def _inductor(gm, example_inputs, options):
         node.meta.pop("val", None)
     opts = inductor_options(kinds, options)
     if _collectives(gm):  # a tensor-parallel step: Inductor's defaults that break it, unless ``options`` set them
-        from .distributed import waited_collectives
+        from .runtime.distributed import waited_collectives
 
         opts.update({**COLLECTIVE_INDUCTOR_OPTIONS, **(options or {})})
         counters["dflash"]["waited_collectives"] += waited_collectives(gm)  # complete before any read

@@ -30,7 +30,7 @@ CACHE_DIR = os.environ.get("DFLASH_COMPILE_CACHE_DIR") or os.path.join(REPO, "bu
 import torch  # noqa: E402
 
 from dflash_compile import DFlashDraftModel, DFlashSpecWrapper  # noqa: E402
-from dflash_compile.generation import DFlashStats  # noqa: E402
+from dflash_compile.runtime.generation import DFlashStats  # noqa: E402
 
 # One of the held-out chat prompts (dflash_compile/assets/chat_prompts.json): the drafter never trained on it.
 DEFAULT_PROMPT = "Explain how photosynthesis works in simple terms."

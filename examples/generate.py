@@ -100,7 +100,7 @@ def _load_pair(p, target_dir: str, draft_dir: str, tp: int = 1):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dflash_compile import DFlashDraftModel
-    from dflash_compile.spec_wrapper import check_tokenizer
+    from dflash_compile.runtime.wrapper import check_tokenizer
 
     split = {"tp_plan": "auto"} if tp > 1 else {}
     target = _loaded(p, "--target",
@@ -124,7 +124,7 @@ def _load_split(target_dir: str):
 def _start_ranks(p, tp: int) -> None:
     """Join torchrun's process group (``init_distributed``: gloo on CPU, the collective timeout of
     ``$DFLASH_TP_TIMEOUT``); ranks other than 0 print nothing."""
-    from dflash_compile.distributed import init_distributed
+    from dflash_compile.runtime.distributed import init_distributed
 
     try:
         rank, world = init_distributed()
@@ -246,7 +246,7 @@ def main(argv=None) -> None:
     prompts = _read_prompts(p, args)
     # Imported once the arguments are checked: a bad one is reported at once, not after loading torch.
     from dflash_compile import DFlashDraftModel, DFlashSpecWrapper
-    from dflash_compile.generation import DFlashStats
+    from dflash_compile.runtime.generation import DFlashStats
 
     if args.tp > 1:
         _start_ranks(p, args.tp)

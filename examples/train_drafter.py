@@ -11,6 +11,7 @@ the latest) and the drafter to ``OUT`` in the published format (``DFlashDraftMod
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import sys
@@ -70,6 +71,9 @@ def main(argv=None) -> int:
                         "vocabulary through its own head")
     p.add_argument("--autocast", default=None, choices=["bfloat16", "float16"],
                    help="the drafter's matmuls in this dtype during training (weights and optimizer stay fp32)")
+    p.add_argument("--features-dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="--features-dir: the dtype the target runs in while it computes them (bfloat16: ~3x faster "
+                        "on CPUs with AVX512-BF16; the features differ from fp32's by bf16's rounding)")
     p.add_argument("--features-dir", default=None,
                    help="compute the target's features once into this folder (resumable) and train from them")
     p.add_argument("--corpus", default="stdlib", help="a text file, a directory, or 'stdlib' (default)")
@@ -179,8 +183,12 @@ def main(argv=None) -> int:
         from dflash_compile.training.data import fingerprint_dir
         from dflash_compile.training.features import FeatureStore
 
-        features = FeatureStore.build(target, data, draft.dflash_config.target_layer_ids, args.features_dir,
-                                      target_fingerprint=fingerprint_dir(args.target))
+        dtype = getattr(torch, args.features_dtype)
+        source = target if dtype == torch.float32 else copy.deepcopy(target).to(dtype)
+        features = FeatureStore.build(source, data, draft.dflash_config.target_layer_ids, args.features_dir,
+                                      target_fingerprint=fingerprint_dir(args.target)
+                                      + ("" if dtype == torch.float32 else f":{args.features_dtype}"))
+        del source
     runs = earlier_runs(args)  # read before the trainer writes its own record over the file
     s = train_drafter(target, draft, data, cfg, args.out, resume=args.resume, save_dtype=getattr(torch, args.save_dtype),
                       features=features)

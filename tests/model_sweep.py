@@ -39,7 +39,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from dflash_compile import DFlashDraftModel, DFlashSpecWrapper
-from dflash_compile.config import DFlashConfig
+from dflash_compile.models.config import DFlashConfig
 
 VOCAB = 96
 PAD = VOCAB - 2

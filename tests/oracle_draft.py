@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from dflash_compile import DFlashDraftModel
-from dflash_compile.speculation import Plan, SpeculationPolicy
+from dflash_compile.runtime.speculation import Plan, SpeculationPolicy
 
 UNKNOWN = -1
 _CONFLICT = -2  # two sequences disagree on the next token after (position, token): no oracle there

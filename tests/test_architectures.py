@@ -17,8 +17,8 @@ import transformers
 from torch._dynamo.utils import counters
 
 from dflash_compile import DFlashDraftModel, DFlashSpecWrapper
-from dflash_compile.kv_cache import TRASH_SLOT, ZERO_SLOT
-from dflash_compile.recurrent import unstep
+from dflash_compile.primitives.slots import TRASH_SLOT, ZERO_SLOT
+from dflash_compile.paged.recurrent import unstep
 from oracle_draft import CyclePolicy, check_drafting, oracle_pair
 from test_batching import poisoning
 from test_sampling import LAWS, N, V, _chi_square_p, _exact_law, _sampled_counts, one_thread  # noqa: F401
@@ -43,7 +43,7 @@ def _reference(target, prompt, new=NEW):
     return target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=new)[0, len(prompt):].tolist()
 
 
-def _spec(target, drafter, prompts=(), cls=DFlashSpecWrapper, **kw):
+def _spec(target, drafter, prompts=(), **kw):
     """(wrapper, the oracle's greedy sequences or None)."""
     draft_kw = dict(num_layers=2, block_size=B, target_layer_ids=[1, 3], seed=0)
     fulls = None
@@ -55,7 +55,7 @@ def _spec(target, drafter, prompts=(), cls=DFlashSpecWrapper, **kw):
     else:
         draft = DFlashDraftModel.from_target(target, **draft_kw)
     kw = {**dict(speculation="fixed", max_batch_size=4, max_seq_len=96, page_size=8), **kw}
-    return cls(target, draft, **kw), fulls
+    return DFlashSpecWrapper(target, draft, **kw), fulls
 
 
 @pytest.mark.parametrize("drafter", ["random", "always_right", "oracle"])
@@ -191,30 +191,38 @@ def test_poisoned_state_slot_does_not_leak(max_batch_size):
     assert not torch.equal(out.sequences[1], ref.sequences[1])  # the poison really reached the victim's state
 
 
-class _StateAuditor(DFlashSpecWrapper):
-    """After every step: the state pools changed only in live rows' slots (or the trash), never in ZERO_SLOT."""
+def audit_state_writes(spec) -> dict:
+    """After every step of ``spec``: the state pools changed only in live rows' slots (or the trash), never in
+    ZERO_SLOT (hooks around its ``DFlashStep``); returns ``{"steps": audited steps}``."""
+    seen = {"steps": 0}
 
-    def forward(self, *inputs, state_slots=None, **kw):
-        states = [t for pool in inputs[4] if isinstance(pool, dict) for n, t in pool.items() if n != "attention"]
-        before = [t.clone() for t in states]
-        out = super().forward(*inputs, state_slots=state_slots, **kw)
-        allowed = torch.zeros(states[0].shape[0], dtype=torch.bool)
-        allowed[state_slots[inputs[3]]] = True
+    def before(module, inputs, kwargs):
+        seen["states"] = [t for pool in inputs[4] if isinstance(pool, dict) for n, t in pool.items() if n != "attention"]
+        seen["before"] = [t.clone() for t in seen["states"]]
+        seen["live"] = kwargs["state_slots"][inputs[3]]
+
+    def after(module, inputs, kwargs, out):
+        allowed = torch.zeros(seen["states"][0].shape[0], dtype=torch.bool)
+        allowed[seen["live"]] = True
         allowed[TRASH_SLOT] = True
-        for old, new in zip(before, states):
+        for old, new in zip(seen["before"], seen["states"]):
             changed = (old != new).flatten(1).any(1)
             assert not (changed & ~allowed).any(), "a state write landed outside the live rows' slots"
             assert not changed[ZERO_SLOT]
-        self.audited = getattr(self, "audited", 0) + 1
-        return out
+        seen["steps"] += 1
+
+    spec.dflash_step.register_forward_pre_hook(before, with_kwargs=True)
+    spec.dflash_step.register_forward_hook(after, with_kwargs=True)
+    return seen
 
 
 @pytest.mark.parametrize("arch", STATEFUL)
 def test_state_writes_stay_in_own_slots(arch):
     target = tiny_target(arch)
-    spec = _spec(target, "random", cls=_StateAuditor, max_batch_size=4)[0]
+    spec = _spec(target, "random", max_batch_size=4)[0]
+    audited = audit_state_writes(spec)
     spec.generate(_prompts([3, 27, 9, 14, 6]), max_new_tokens=NEW, pad_token_id=PAD)
-    assert spec.audited > 3
+    assert audited["steps"] > 3
 
 
 @pytest.mark.parametrize("arch", [HYBRID, "falcon_h1"])

@@ -131,7 +131,7 @@ def test_collectives_fused_with_their_waits():
     import torch.distributed as dist
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from dflash_compile.distributed import waited_collectives
+    from dflash_compile.runtime.distributed import waited_collectives
 
     if dist.is_initialized():
         pytest.skip("a process group already exists in this process")

@@ -5,8 +5,8 @@ import torch
 from torch._dynamo.utils import counters
 
 from dflash_compile import DFlashDraftModel, DFlashSpecWrapper
-from dflash_compile.kv_cache import TRASH_SLOT, ZERO_SLOT
-from dflash_compile.scheduler import Scheduler
+from dflash_compile.primitives.slots import TRASH_SLOT, ZERO_SLOT
+from dflash_compile.runtime.scheduler import Scheduler
 from tiny_models import FAMILIES, VOCAB, tiny_target
 
 MAX_NEW = 16
@@ -100,34 +100,43 @@ def test_capacity():
         spec.generate([[1, 2], list(range(25))], max_new_tokens=2, pad_token_id=PAD)
 
 
-class _WriteAuditor(DFlashSpecWrapper):
-    """Checks after every step that the pools changed only inside live requests' blocks (or the trash)."""
+def audit_writes(spec) -> dict:
+    """Checks after every step of ``spec`` that the pools changed only inside live requests' blocks (or the trash):
+    hooks around its ``DFlashStep``; returns the count of audited steps (``{"steps": n}``)."""
+    seen = {"steps": 0}
 
-    def forward(self, block, seq_lens, block_tables, active, target_pools, draft_pool, **kw):
-        pools = [(p, 1) for p in target_pools] + [(draft_pool, 2)]  # (pool, its slot dim)
-        before = [p.clone() for p, _ in pools]
-        out = super().forward(block, seq_lens, block_tables, active, target_pools, draft_pool, **kw)
-        cache = self._cache
-        own = block_tables[active]  # the step's table: only the pages of its context bucket
+    def before(module, args, kwargs):
+        block, seq_lens, block_tables, active, target_pools, draft_pool = args[:6]
+        seen["pools"] = [(p, 1) for p in target_pools] + [(draft_pool, 2)]  # (pool, its slot dim)
+        seen["before"] = [p.clone() for p, _ in seen["pools"]]
+        seen["tables"], seen["active"] = block_tables, active
+
+    def after(module, args, kwargs, out):
+        cache = spec.pools.cache
+        own = seen["tables"][seen["active"]]  # the step's table: only the pages of its context bucket
         own = own[own >= 0]
-        allowed = torch.zeros(draft_pool.shape[2], dtype=torch.bool)
+        allowed = torch.zeros(cache.draft_pool.shape[2], dtype=torch.bool)
         allowed[(own[:, None] * cache.page_size + torch.arange(cache.page_size)).flatten()] = True
         allowed[TRASH_SLOT] = True
-        for old, (new, dim) in zip(before, pools):
+        for old, (new, dim) in zip(seen["before"], seen["pools"]):
             changed = (old != new).movedim(dim, 0).flatten(1).any(1)  # [slots]
             assert not (changed & ~allowed).any(), "a write landed outside the live requests' blocks"
             assert not changed[ZERO_SLOT]
-        self.audited = getattr(self, "audited", 0) + 1
-        return out
+        seen["steps"] += 1
+
+    spec.dflash_step.register_forward_pre_hook(before, with_kwargs=True)
+    spec.dflash_step.register_forward_hook(after, with_kwargs=True)
+    return seen
 
 
 def test_writes_stay_in_own_blocks():
     target = tiny_target("gemma3")
     draft = DFlashDraftModel.from_target(target, num_layers=2, block_size=4, target_layer_ids=[1, 3], seed=0)
-    spec = _WriteAuditor(target, draft, max_batch_size=4, max_seq_len=30, page_size=4, context_buckets=(8, 16))
+    spec = DFlashSpecWrapper(target, draft, max_batch_size=4, max_seq_len=30, page_size=4, context_buckets=(8, 16))
+    audited = audit_writes(spec)
     prompts = _prompts([3, 27, 9, 14, 6])
     spec.generate(prompts, max_new_tokens=MAX_NEW, pad_token_id=PAD)
-    assert spec.audited > 3
+    assert audited["steps"] > 3
 
 
 class _Poisoner(Scheduler):

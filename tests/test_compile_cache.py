@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dflash_compile import DFlashDraftModel, DFlashSpecWrapper
-from dflash_compile.compiled_step import _MAGIC, StepKey
+from dflash_compile.runtime.compiled_steps import _MAGIC, StepKey
 from tiny_models import VOCAB, random_prompts, tiny_target
 
 PAD = VOCAB - 2
@@ -54,15 +54,15 @@ def test_one_graph_serves_every_context_length():
     for prompt, new in zip(random_prompts([3, 40, 101], 0), (150, 60, 50)):  # up to the capacity
         assert _new_tokens(spec, prompt, new) == _reference(target, prompt, min(new, 160 - len(prompt)))
     assert backend.graphs == [1]
-    assert spec._steps.compiled_keys() == [StepKey(1, spec.verify_len, False, None)]
+    assert spec.compiled_steps.compiled_keys() == [StepKey(1, spec.verify_len, False, None)]
     assert spec.context_bucket(20) == 3 and spec.context_bucket(1) == 2  # the live pages, at least 2
 
 
 def test_static_context_backends_keep_their_buckets():
     _, spec = _pair(context_buckets=(32, 64))
     spec.compile(backend="dflash_neuron", on_miss="eager")
-    assert spec._steps.key(1, 4, False, spec.verify_len) == StepKey(1, spec.verify_len, False, 4)
-    plain = spec._steps.key(1, 4, False, 1, propose=False)  # K = 0 without a proposal: its own graph and file
+    assert spec.compiled_steps.key(1, 4, False, spec.verify_len) == StepKey(1, spec.verify_len, False, 4)
+    plain = spec.compiled_steps.key(1, 4, False, 1, propose=False)  # K = 0 without a proposal: its own graph and file
     assert plain == StepKey(1, 1, False, 4, False) and plain.filename != StepKey(1, 1, False, 4).filename
     assert [spec.context_bucket(n) for n in (1, 40, 100)] == [4, 8, 20]
 
@@ -76,8 +76,8 @@ def saved(tmp_path_factory):
     prompt = random_prompts([9], 1)[0]
     tokens = _new_tokens(spec, prompt, 24)
     assert tokens == _reference(target, prompt, 24)
-    assert [how for _, how, _ in spec._steps.events] == ["compiled"]
-    return cache, spec._steps.folder(), prompt
+    assert [how for _, how, _ in spec.compiled_steps.events] == ["compiled"]
+    return cache, spec.compiled_steps.folder(), prompt
 
 
 def test_saved_graph_is_loaded_not_compiled_and_reads_the_live_weights(saved, tmp_path):
@@ -86,7 +86,7 @@ def test_saved_graph_is_loaded_not_compiled_and_reads_the_live_weights(saved, tm
     target, spec = _pair(seed=1)  # same shapes, other weights: the graph reads the parameters at every call
     spec.compile(backend="dflash", cache_dir=tmp_path / "c")
     assert _new_tokens(spec, prompt, 24) == _reference(target, prompt, 24)
-    assert [how for _, how, _ in spec._steps.events] == ["loaded"]
+    assert [how for _, how, _ in spec.compiled_steps.events] == ["loaded"]
     fp = json.loads((tmp_path / "c" / folder.name / "fingerprint.json").read_text())
     assert fp["backend"] == "dflash" and fp["torch"] == torch.__version__
 
@@ -101,7 +101,7 @@ def test_another_process_loads_the_saved_graph(saved, tmp_path):
         target, spec = _pair()
         spec.compile(backend="dflash", cache_dir={str(cache)!r})
         same = _new_tokens(spec, {prompt!r}, 24) == _reference(target, {prompt!r}, 24)
-        print(json.dumps([same, [how for _, how, _ in spec._steps.events]]))
+        print(json.dumps([same, [how for _, how, _ in spec.compiled_steps.events]]))
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -143,7 +143,7 @@ def test_a_damaged_entry_is_recompiled_with_one_warning(saved, tmp_path, caplog,
         _, bigger = _pair(max_seq_len=200)
         bigger.compile(backend="dflash", cache_dir=tmp_path / "other")
         bigger.generate([prompt], max_new_tokens=4)
-        other = bigger._steps.folder() / entry.name
+        other = bigger.compiled_steps.folder() / entry.name
     _damage(entry, how, other)
     target, spec = _pair()
     spec.compile(backend="dflash", cache_dir=tmp_path / "c")
@@ -152,11 +152,11 @@ def test_a_damaged_entry_is_recompiled_with_one_warning(saved, tmp_path, caplog,
     warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1 and "ignoring the compile cache entry" in warnings[0].getMessage()
     assert "\n" not in warnings[0].getMessage()
-    assert [how for _, how, _ in spec._steps.events][-1] == "compiled"
+    assert [how for _, how, _ in spec.compiled_steps.events][-1] == "compiled"
     _, again = _pair()  # the entry was rewritten: the next wrapper loads it
     again.compile(backend="dflash", cache_dir=tmp_path / "c")
     again.generate([prompt], max_new_tokens=4)
-    assert [how for _, how, _ in again._steps.events] == ["loaded"]
+    assert [how for _, how, _ in again.compiled_steps.events] == ["loaded"]
 
 
 def test_precompile_compiles_every_key_up_front_with_progress(capsys):
@@ -194,7 +194,7 @@ def test_on_miss_eager_runs_the_eager_step_for_keys_not_compiled():
     spec.compile(backend=backend, on_miss="eager")
     prompt = random_prompts([12], 4)[0]
     assert _new_tokens(spec, prompt, 30) == _reference(target, prompt, 30)
-    assert backend.graphs == [] and {how for _, how, _ in spec._steps.events} == {"eager"}
+    assert backend.graphs == [] and {how for _, how, _ in spec.compiled_steps.events} == {"eager"}
 
 
 def test_compile_arguments_are_checked():
@@ -216,25 +216,25 @@ def test_on_miss_background_compiles_while_the_eager_step_serves():
     prompt = random_prompts([12], 5)[0]
     assert _new_tokens(spec, prompt, 40) == _reference(target, prompt, 40)  # served eagerly while it compiles
     # the first step ran eagerly (its event may land after the compile's: they finish in either order)
-    assert "eager" in [how for _, how, _ in spec._steps.events]
+    assert "eager" in [how for _, how, _ in spec.compiled_steps.events]
     report = spec.precompile(batch_sizes=[1])  # waits for the background compile
     assert list(report.values()) == [("ready", 0.0)] and backend.graphs == [1]
-    n = len(spec._steps.events)
+    n = len(spec.compiled_steps.events)
     assert _new_tokens(spec, prompt, 40) == _reference(target, prompt, 40)
-    assert len(spec._steps.events) == n  # every step compiled: no eager step, no compile
+    assert len(spec.compiled_steps.events) == n  # every step compiled: no eager step, no compile
 
 
 def test_close_waits_for_a_background_compile():
     _, spec = _pair()
     spec.compile(backend=CountingBackend(), on_miss="background")
     spec.generate([[1, 2, 3]], max_new_tokens=4)
-    thread = spec._steps._background.get(StepKey(1, spec.verify_len, False, None))
+    thread = spec.compiled_steps._background.get(StepKey(1, spec.verify_len, False, None))
     spec.close()  # the trace reads the hooks close() removes: it must be over first
     assert thread is None or not thread.is_alive()
 
 
 def test_the_fingerprint_does_not_depend_on_where_the_model_was_loaded_from(tmp_path):
-    from dflash_compile.compiled_step import fingerprint
+    from dflash_compile.runtime.compiled_steps import fingerprint
 
     target, spec = _pair()
     first = fingerprint(spec, "dflash", None, {})
@@ -267,5 +267,5 @@ def test_a_step_dynamo_cannot_package_compiles_in_process(monkeypatch, caplog, t
             assert _new_tokens(spec, p, 30) == _reference(target, p, 30)
     said = [r.getMessage() for r in caplog.records if "cannot be saved" in r.getMessage()]
     assert len(said) == 1 and "PackageError" in said[0]
-    assert [how for _, how, _ in spec._steps.events] == ["compiled"]
+    assert [how for _, how, _ in spec.compiled_steps.events] == ["compiled"]
     assert not list(tmp_path.rglob("*.pt2"))

@@ -38,7 +38,7 @@ def test_step_compiles_once_per_bucket(family):
     assert torch.equal(spec.generate(first, max_new_tokens=12, pad_token_id=PAD), eager[0])
     assert backend.graphs == [4]
     assert torch.equal(spec.generate(second, max_new_tokens=12, pad_token_id=PAD), eager[1])  # warm
-    assert backend.graphs == [4] and [how for _, how, _ in spec._steps.events] == ["compiled"]
+    assert backend.graphs == [4] and [how for _, how, _ in spec.compiled_steps.events] == ["compiled"]
 
 
 def test_one_graph_per_bucket():

@@ -6,7 +6,7 @@ import torch
 from safetensors.torch import save_file
 
 from dflash_compile import DFlashDraftModel
-from dflash_compile.hidden_states import AuxHiddenStates
+from dflash_compile.models.hidden_states import AuxHiddenStates
 from tiny_models import VOCAB, tiny_target
 
 
@@ -258,7 +258,7 @@ def test_mask_token_is_never_ordinary_text():
     from transformers import AutoTokenizer
 
     from dflash_compile.assets import tiny_pair_paths
-    from dflash_compile.config import choose_mask_token, is_ordinary_token
+    from dflash_compile.models.config import choose_mask_token, is_ordinary_token
 
     tok = AutoTokenizer.from_pretrained(tiny_pair_paths()[0])
     target = tiny_target("qwen3", vocab_size=len(tok))

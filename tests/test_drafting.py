@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from dflash_compile import DFlashDraftModel, DFlashSpecWrapper
-from dflash_compile.hidden_states import AuxHiddenStates
+from dflash_compile.models.hidden_states import AuxHiddenStates
 from oracle_draft import CyclePolicy, check_drafting, greedy_continuations, oracle_pair
 from tiny_models import FAMILIES, VOCAB, random_prompts, small_target, tiny_target
 

@@ -9,9 +9,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from dflash_compile import DFlashDraftModel, DFlashSpecWrapper
 from dflash_compile.backends import dflash_backend, dflash_passes, lower
-from dflash_compile.generation import resolve_generation_args
-from dflash_compile.spec_wrapper import _context_pages
-from dflash_compile.scheduler import PREFILL_OVERHEAD_TOKENS, prefill_groups
+from dflash_compile.runtime.generation import resolve_generation_args
+from dflash_compile.runtime.wrapper import _context_pages
+from dflash_compile.runtime.scheduler import PREFILL_OVERHEAD_TOKENS, prefill_groups
 from tiny_models import VOCAB, tiny_target
 
 PAD = VOCAB - 2
@@ -153,7 +153,7 @@ def test_long_generation_compiles_a_bounded_number_of_graphs():
     assert len(graphs) == 1  # one graph for batch bucket 1 and every context length
     again = spec.generate([_prompts([9], seed=1)[0]], max_new_tokens=140)  # warm: compiles nothing
     assert torch.equal(again, eager.generate([_prompts([9], seed=1)[0]], max_new_tokens=140))
-    assert len(graphs) == 1 and [how for _, how, _ in spec._steps.events] == ["compiled"]
+    assert len(graphs) == 1 and [how for _, how, _ in spec.compiled_steps.events] == ["compiled"]
 
 
 def test_prefill_groups_minimise_padding_plus_a_cost_per_forward():

@@ -8,7 +8,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, TextIteratorStreamer, TextStreamer
 
 from dflash_compile import DFlashDraftModel, DFlashSpecWrapper
-from dflash_compile.spec_wrapper import check_tokenizer
+from dflash_compile.runtime.target_check import check_tokenizer
 from tiny_models import VOCAB, tiny_target
 
 PROMPT = [5, 17, 42, 8]
@@ -161,7 +161,7 @@ def test_check_tokenizer(pair):
 def test_unsupported_logits_processors_in_generation_config_are_errors():
     import transformers
 
-    from dflash_compile.generation import resolve_generation_args
+    from dflash_compile.runtime.generation import resolve_generation_args
 
     class _Target:
         generation_config = transformers.GenerationConfig(repetition_penalty=1.3)

@@ -280,14 +280,14 @@ def test_pools_are_sized_from_the_requests(target):
     spec = DFlashSpecWrapper(target, _draft(target), max_batch_size=64, max_seq_len=512, page_size=8)
     out = spec.generate([PROMPT], max_new_tokens=8)
     assert out[0, len(PROMPT):].tolist() == _greedy(target, PROMPT, 8)
-    assert spec.kv_cache_bytes() < 2**20 and spec._cache.num_blocks <= 4  # 4 + 8 + 4 tokens, not 64 x 512
+    assert spec.kv_cache_bytes() < 2**20 and spec.pools.cache.num_blocks <= 4  # 4 + 8 + 4 tokens, not 64 x 512
 
     prompts = [PROMPT * k for k in range(1, 7)]  # 6 requests, 3 at a time: the pools grow for them, once
     spec = DFlashSpecWrapper(target, _draft(target), max_batch_size=3, max_seq_len=512, page_size=8)
     out = spec.generate(prompts, max_new_tokens=20, pad_token_id=0, return_dict_in_generate=True)
     width = out.prompt_width
     assert [out.sequences[i, width:].tolist() for i in range(6)] == [_greedy(target, p, 20) for p in prompts]
-    assert spec._cache.num_blocks <= 2 * 3 * -(-(24 + 20 + 4) // 8)
+    assert spec.pools.cache.num_blocks <= 2 * 3 * -(-(24 + 20 + 4) // 8)
 
 
 def test_huge_max_batch_size_with_one_prompt(target):
@@ -300,7 +300,7 @@ def test_pools_over_the_allowed_memory_are_refused_naming_the_bytes(target):
                              max_cache_bytes=10_000)
     with pytest.raises(ValueError, match=r"need \d+ bytes .*max_cache_bytes=10000"):
         spec.generate([PROMPT], max_new_tokens=8)
-    assert spec._cache is None
+    assert spec.pools.cache is None
 
 
 # ---------------------------------------------------------------------------------------------- training data

@@ -8,7 +8,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
 from dflash_compile import DFlashDraftModel, DFlashSpecWrapper
-from dflash_compile.generation import resolve_generation_args
+from dflash_compile.runtime.generation import resolve_generation_args
 from tiny_models import VOCAB, tiny_target
 
 PAD = VOCAB - 2

@@ -15,7 +15,7 @@ from transformers import AutoModel, MuseGlimmerAssistantConfig, MuseGlimmerAssis
 from transformers.generation.utils import GenerationMixin
 
 from dflash_compile import DFlashDraftModel, DFlashSpecWrapper, DFlashStats
-from dflash_compile.hf_format import WEIGHT_NAMES, transformers_assistant
+from dflash_compile.models.hf_format import WEIGHT_NAMES, transformers_assistant
 
 LOGIT_ATOL = 1e-4  # fp32; measured max |diff| is reported by test_transformers_drafts_equal_ours
 MAX_NEW = 24

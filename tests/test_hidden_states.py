@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from dflash_compile.hidden_states import AuxHiddenStates, decoder_layers
+from dflash_compile.models.hidden_states import AuxHiddenStates, decoder_layers
 from tiny_models import FAMILIES, VOCAB, tiny_target
 
 

@@ -1,16 +1,9 @@
 import pytest
 import torch
 
-from dflash_compile.kv_cache import (
-    TRASH_SLOT,
-    ZERO_SLOT,
-    AttentionLayout,
-    PagedKVCache,
-    StateLayout,
-    _paged_slots,
-    read_slots,
-    write_slots,
-)
+from dflash_compile.paged.layout import AttentionLayout, StateLayout
+from dflash_compile.paged.pools import PagedKVCache
+from dflash_compile.primitives.slots import TRASH_SLOT, ZERO_SLOT, _paged_slots, read_slots, write_slots
 
 KV = AttentionLayout((2, 8), (2, 8), torch.float32)
 

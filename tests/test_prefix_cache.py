@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dflash_compile import DFlashDraftModel, DFlashSpecWrapper
-from dflash_compile.kv_cache import PagedKVCache
+from dflash_compile.paged.pools import PagedKVCache
 from tiny_models import VOCAB, tiny_target
 
 PAGE = 8
@@ -102,7 +102,7 @@ def test_off_for_recurrent_state_targets(caplog):
     target = tiny_target("qwen3_5")
     spec = _pair(target, prefix_caching=True)
     prompts = _prompts()[:2]
-    with caplog.at_level(logging.WARNING, logger="dflash_compile.spec_wrapper"):
+    with caplog.at_level(logging.WARNING, logger="dflash_compile.runtime.cache_manager"):
         outs = [spec.generate([p], max_new_tokens=NEW)[0, len(p):].tolist() for p in prompts]
     assert outs == [_reference(target, p) for p in prompts]
     assert "prefix caching is off" in caplog.text and "recurrent states" in caplog.text

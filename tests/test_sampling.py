@@ -5,9 +5,9 @@ import pytest
 import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-import dflash_compile.spec_wrapper as spec_wrapper
+import dflash_compile.step.step as step_module
 from dflash_compile import DFlashDraftModel, DFlashSpecWrapper
-from dflash_compile.rejection import greedy_accept, noise_bits, position_noise, process_logits, sample_at_positions
+from dflash_compile.step.rejection import greedy_accept, noise_bits, position_noise, process_logits, sample_at_positions
 from tiny_models import tiny_target
 
 
@@ -185,7 +185,7 @@ def test_sampled_law_matches_target(law, rule, one_thread, monkeypatch):
     if top_p < 1:  # the nucleus cuts real mass: a step that ignored top_p would sample another law
         assert float((_exact_law(target, temperature, top_k, 1.0) * (exact == 0)).sum()) > 0.05
     if rule == "noise_without_position":
-        monkeypatch.setattr(spec_wrapper, "sample_at_positions", _noise_without_position)
+        monkeypatch.setattr(step_module, "sample_at_positions", _noise_without_position)
     counts, out = _sampled_counts(target, draft, temperature, top_k, top_p)
     p = _chi_square_p(counts, exact * N)
     print(f"{law}/{rule}: chi-square p-value {p:.3g}, acceptance length {out.acceptance_length:.2f}, "

@@ -92,5 +92,5 @@ def test_same_tokens_compiled(pair, reference):
         mine, theirs = spec.submit(PROMPT, seed=11, **KW), spec.submit(other, seed=3, **KW)  # one batch of 2
         tokens = mine.result().tokens
         assert len(theirs.result().tokens) == NEW
-        assert any(how == "compiled" for _, how, _ in spec._steps.events)
+        assert any(how == "compiled" for _, how, _ in spec.compiled_steps.events)
     assert tokens == reference

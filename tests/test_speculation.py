@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dflash_compile import DFlashDraftModel, DFlashSpecWrapper
-from dflash_compile.speculation import (
+from dflash_compile.runtime.speculation import (
     AcceptanceHistory, BatchSizeSchedule, FixedK, GoodputPolicy, Plan, StepView, context_bin,
     default_ks, expected_accepted,
 )
@@ -253,14 +253,14 @@ def test_auto_compiled_long_mixed_run_never_recompiles_after_warmup():
     spec.compile(backend="eager")
     report = spec.precompile(sampling="both", progress=False)
     assert len(report) == 2 * len(spec.step_graphs()) == 2 * 5  # K 0 (with and without proposing), 1, 2, 3
-    warm = len(spec._steps.events)
+    warm = len(spec.compiled_steps.events)
     prompts = random_prompts([3, 7, 5, 9, 4, 6], 5)
     refs = [target.generate(torch.tensor([p]), do_sample=False, max_new_tokens=60)[0, len(p):].tolist()
             for p in prompts]
     with torch.compiler.set_stance("fail_on_recompile"):
         handles = [spec.submit(p, max_new_tokens=60, do_sample=i % 2 == 1, seed=i) for i, p in enumerate(prompts)]
         results = [h.result() for h in handles]
-    assert len(spec._steps.events) == warm  # nothing compiled or loaded after the warm-up
+    assert len(spec.compiled_steps.events) == warm  # nothing compiled or loaded after the warm-up
     for i, r in enumerate(results):
         assert len(r.tokens) == 60
         if i % 2 == 0:

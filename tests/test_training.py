@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dflash_compile import DFlashDraftModel
-from dflash_compile.hidden_states import AuxHiddenStates
+from dflash_compile.models.hidden_states import AuxHiddenStates
 from dflash_compile.training import (
     DataConfig,
     TrainConfig,

@@ -33,7 +33,7 @@ from transformers import AutoModelForCausalLM
 sys.path.insert(0, str(Path(__file__).parent))
 
 from dflash_compile import DFlashDraftModel, DFlashSpecWrapper  # noqa: E402
-from dflash_compile.distributed import init_distributed  # noqa: E402
+from dflash_compile.runtime.distributed import init_distributed  # noqa: E402
 from tiny_models import VOCAB, random_prompts  # noqa: E402
 
 PAD = VOCAB - 2
@@ -79,7 +79,7 @@ def greedy(args, rank):
     result["compiled"] = _rows(out, prompts)
     result["passes"] = dict(counters["dflash"])
     result["target_layers"] = target.config.get_text_config().num_hidden_layers
-    result["events"] = [(str(k), how) for k, how, _ in spec._steps.events]
+    result["events"] = [(str(k), how) for k, how, _ in spec.compiled_steps.events]
     result["split"] = spec.draft.split_over
     # the split drafter proposes what the whole one does in a single process (greedy drafts are exact up to the
     # rounding of the all-reduced partial sums: the random tiny models here have no near ties)
@@ -139,7 +139,7 @@ def odd_heads(args, rank):
     records = []
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())
-    logging.getLogger("dflash_compile.spec_wrapper").addHandler(handler)
+    logging.getLogger("dflash_compile.runtime.wrapper").addHandler(handler)
     n = target.config.get_text_config().num_hidden_layers
     draft = DFlashDraftModel.from_target(target, num_layers=1, block_size=4, target_layer_ids=[0, n - 1], seed=0,
                                          num_attention_heads=3, num_key_value_heads=1, head_dim=16)

@@ -110,7 +110,7 @@ MODELS_DIR_ENV = "DFLASH_MODELS_DIR"
 
 def models_dir() -> Path:
     """Where converted models go: ``$DFLASH_MODELS_DIR``, else ``models/`` in the project's cache."""
-    from ..compiled_step import default_cache_dir
+    from ..runtime.compiled_steps import default_cache_dir
 
     return Path(os.environ[MODELS_DIR_ENV]) if os.environ.get(MODELS_DIR_ENV) else default_cache_dir() / "models"
 

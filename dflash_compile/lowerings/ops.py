@@ -10,6 +10,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..primitives.kv_projection import context_kv
+from ..primitives.masks import MaskSpec, block_visibility, context_visibility
+
 
 # ----------------------------------------------------------------------------------------------- fused_kv_proj
 @torch.library.custom_op("dflash::fused_kv_proj", mutates_args=())
@@ -27,17 +30,8 @@ def fused_kv_proj(
 
 
 def _fused_kv_proj_reference(ctx, weight, k_norm_weight, cos, sin, eps):
-    L, D = k_norm_weight.shape
-    N = ctx.shape[0]
-    kv = torch.nn.functional.linear(ctx, weight).view(N, 2, L, -1, D).permute(1, 2, 0, 3, 4)  # [2, L, N, Hkv, D]
-    k = kv[0]
-    kf = k.float() if k.element_size() < 4 else k
-    kf = kf * torch.rsqrt(kf.pow(2).mean(-1, keepdim=True) + eps)
-    k = k_norm_weight[:, None, None, :] * kf.to(k.dtype)
-    half = D // 2
-    rotated = torch.cat((-k[..., half:], k[..., :half]), dim=-1)
-    k = k * cos[None, :, None, :] + rotated * sin[None, :, None, :]
-    return k.to(ctx.dtype).contiguous(), kv[1].contiguous()
+    k, v = context_kv(ctx, weight, k_norm_weight, cos, sin, eps)
+    return k.to(ctx.dtype).contiguous(), v.contiguous()
 
 
 @fused_kv_proj.register_fake
@@ -106,23 +100,13 @@ def block_attention(
 
 def block_attention_mask(ctx_lens, q_positions, num_ctx, block_len, causal, window):
     """The visibility of :func:`block_attention` as a boolean ``[B, T, num_ctx + block_len]`` tensor."""
+    spec = MaskSpec(causal=causal, window=window or None)
     key_pos = torch.arange(num_ctx, device=q_positions.device)
-    P = q_positions[:, :, None]  # [B, T, 1]
-    ctx = key_pos[None, None, :] < ctx_lens[:, None, None]
-    if causal:
-        ctx = ctx & (key_pos[None, None, :] <= P)
-    if window:
-        ctx = ctx & (P - key_pos[None, None, :] < window)
-    T = q_positions.shape[1]
-    ctx = ctx.expand(q_positions.shape[0], T, num_ctx)
+    B, T = q_positions.shape
+    ctx = context_visibility(q_positions, ctx_lens, key_pos, spec).expand(B, T, num_ctx)
     if not block_len:
         return ctx
-    blk = torch.ones(q_positions.shape[0], T, T, dtype=torch.bool, device=q_positions.device)
-    if causal:
-        blk = blk & torch.ones(T, T, dtype=torch.bool, device=q_positions.device).tril()
-    if window:
-        blk = blk & (P - q_positions[:, None, :] < window)
-    return torch.cat([ctx, blk], dim=-1)
+    return torch.cat([ctx, block_visibility(q_positions, spec)], dim=-1)
 
 
 def _block_attention_reference(

@@ -3,7 +3,7 @@
 Matches: one ``linear`` of the context rows ``ctx [B, S, H]`` against the K and V weights of every draft
 layer stacked ``[2 * L * Hkv * D, H]``, split into K and V per layer, K RMS-normed over ``D`` with the
 stacked per-layer ``k_norm`` weights ``[L, D]`` and rotated (rotate-half RoPE) with ``cos``/``sin
-[B, S, D]`` — ``DFlashDraftModel.context_kv`` — in its fp32/fp64 form and in its half-precision form (fp32
+[B, S, D]`` — ``primitives.kv_projection.context_kv``, which the drafter runs — in its fp32/fp64 form and in its half-precision form (fp32
 statistics).
 Rewrite to: ``dflash.fused_kv_proj`` over the ``B * S`` rows, its ``[L, B * S, Hkv, D]`` outputs viewed
 back to ``[L, B, S, Hkv, D]``.
@@ -12,28 +12,15 @@ back to ``[L, B, S, Hkv, D]``.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch._inductor.pattern_matcher import Match, PatternMatcherPass, register_replacement
 
 from ..lowerings import ops  # noqa: F401  (registers torch.ops.dflash.*)
+from ..primitives.kv_projection import context_kv
 from ._common import DFlashPass, same_shape, trace_pre_dispatch, val
 
 
-# ---- search pattern (plain torch)
-def _context_kv(ctx, weight, k_norm, cos, sin, eps):
-    B, S, _ = ctx.shape
-    L, D = k_norm.shape
-    Hkv = weight.shape[0] // (2 * L * D)
-    kv = F.linear(ctx, weight).view(B, S, 2, L, Hkv, D).permute(2, 3, 0, 1, 4, 5)  # [2, L, B, S, Hkv, D]
-    k = kv[0]
-    dtype = k.dtype
-    kf = k.float() if k.element_size() < 4 else k
-    kf = kf * torch.rsqrt(kf.pow(2).mean(-1, keepdim=True) + eps)
-    k = k_norm.view(L, 1, 1, 1, D) * kf.to(dtype)
-    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-    half = D // 2
-    rotated = torch.cat((-k[..., half:], k[..., :half]), dim=-1)
-    return k * cos + rotated * sin, kv[1]
+# ---- search pattern: the drafter's own maths (``primitives.kv_projection.context_kv``), traced
+_context_kv = context_kv
 
 
 # ---- replacement

@@ -115,7 +115,7 @@ def load_engine(p: argparse.ArgumentParser, args):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dflash_compile import DFlashDraftModel, DFlashSpecWrapper
-    from dflash_compile.spec_wrapper import check_tokenizer
+    from dflash_compile.runtime.target_check import check_tokenizer
 
     from .engine import Engine
     from .metrics import Metrics

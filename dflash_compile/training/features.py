@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..hidden_states import AuxHiddenStates
+from ..models.hidden_states import AuxHiddenStates
 from .data import DraftDataset
 
 

@@ -16,7 +16,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..draft_model import DFlashDraftModel
+from ..models.draft_model import DFlashDraftModel
 
 
 def position_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:

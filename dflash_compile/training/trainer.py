@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from ..draft_model import DFlashDraftModel
-from ..hidden_states import AuxHiddenStates
+from ..models.draft_model import DFlashDraftModel
+from ..models.hidden_states import AuxHiddenStates
 from .data import DraftDataset
 from .objective import default_gamma, dflash_loss, sample_anchors
 

@@ -6,7 +6,8 @@ from torch._dynamo.utils import counters
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from dflash_compile import DFlashDraftModel
-from dflash_compile.kv_cache import context_visibility, read_slots, write_slots
+from dflash_compile.primitives.masks import MaskSpec, context_visibility
+from dflash_compile.primitives.slots import read_slots, write_slots
 from dflash_compile.passes import build_passes, passes_uuid
 from dflash_compile.passes.block_attention import BlockAttentionPass
 from dflash_compile.passes.fused_kv import FusedKVProjPass
@@ -75,37 +76,37 @@ graph():
     %arg25_1 : [num_users=1] = placeholder[target=arg25_1]
     %arg26_1 : [num_users=1] = placeholder[target=arg26_1]
     %arg27_1 : [num_users=1] = placeholder[target=arg27_1]
-    %cat : [num_users=1] = call_function[target=torch.ops.aten.cat.default](args = ([%arg1_1, %arg12_1, %arg2_1, %arg13_1],), kwargs = {})
-    %linear : [num_users=1] = call_function[target=torch.ops.aten.linear.default](args = (%arg26_1, %cat), kwargs = {})
-    %view : [num_users=1] = call_function[target=torch.ops.aten.view.default](args = (%linear, [2, 3, 2, 2, 1, 8]), kwargs = {})
-    %permute : [num_users=2] = call_function[target=torch.ops.aten.permute.default](args = (%view, [2, 3, 0, 1, 4, 5]), kwargs = {})
     %stack : [num_users=1] = call_function[target=torch.ops.aten.stack.default](args = ([%arg5_1, %arg16_1],), kwargs = {})
+    %unsqueeze : [num_users=1] = call_function[target=torch.ops.aten.unsqueeze.default](args = (%arg27_1, 2), kwargs = {})
+    %to : [num_users=1] = call_function[target=torch.ops.aten.to.dtype](args = (%unsqueeze, torch.float32), kwargs = {})
+    %mul : [num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%to, %arg25_1), kwargs = {})
+    %cat : [num_users=2] = call_function[target=torch.ops.aten.cat.default](args = ([%mul, %mul], -1), kwargs = {})
+    %cos : [num_users=1] = call_function[target=torch.ops.aten.cos.default](args = (%cat,), kwargs = {})
+    %mul_1 : [num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%cos, 1.0), kwargs = {})
+    %to_1 : [num_users=1] = call_function[target=torch.ops.aten.to.dtype](args = (%mul_1, torch.float32), kwargs = {})
+    %sin : [num_users=1] = call_function[target=torch.ops.aten.sin.default](args = (%cat,), kwargs = {})
+    %mul_2 : [num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%sin, 1.0), kwargs = {})
+    %to_2 : [num_users=1] = call_function[target=torch.ops.aten.to.dtype](args = (%mul_2, torch.float32), kwargs = {})
+    %cat_1 : [num_users=1] = call_function[target=torch.ops.aten.cat.default](args = ([%arg1_1, %arg12_1, %arg2_1, %arg13_1],), kwargs = {})
+    %linear : [num_users=1] = call_function[target=torch.ops.aten.linear.default](args = (%arg26_1, %cat_1), kwargs = {})
+    %view : [num_users=1] = call_function[target=torch.ops.aten.view.default](args = (%linear, [2, 3, 2, 2, -1, 8]), kwargs = {})
+    %permute : [num_users=2] = call_function[target=torch.ops.aten.permute.default](args = (%view, [2, 3, 0, 1, 4, 5]), kwargs = {})
     %select : [num_users=2] = call_function[target=torch.ops.aten.select.int](args = (%permute, 0, 0), kwargs = {})
     %view_1 : [num_users=1] = call_function[target=torch.ops.aten.view.default](args = (%stack, [2, 1, 1, 1, 8]), kwargs = {})
     %pow_1 : [num_users=1] = call_function[target=torch.ops.aten.pow.Tensor_Scalar](args = (%select, 2), kwargs = {})
     %mean : [num_users=1] = call_function[target=torch.ops.aten.mean.dim](args = (%pow_1, [-1], True), kwargs = {})
     %add : [num_users=1] = call_function[target=torch.ops.aten.add.Tensor](args = (%mean, 1e-06), kwargs = {})
     %rsqrt : [num_users=1] = call_function[target=torch.ops.aten.rsqrt.default](args = (%add,), kwargs = {})
-    %mul : [num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%select, %rsqrt), kwargs = {})
-    %to : [num_users=1] = call_function[target=torch.ops.aten.to.dtype](args = (%mul, torch.float32), kwargs = {})
-    %mul_1 : [num_users=3] = call_function[target=torch.ops.aten.mul.Tensor](args = (%view_1, %to), kwargs = {})
-    %unsqueeze : [num_users=1] = call_function[target=torch.ops.aten.unsqueeze.default](args = (%arg27_1, 2), kwargs = {})
-    %to_1 : [num_users=1] = call_function[target=torch.ops.aten.to.dtype](args = (%unsqueeze, torch.float32), kwargs = {})
-    %mul_2 : [num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%to_1, %arg25_1), kwargs = {})
-    %cat_1 : [num_users=2] = call_function[target=torch.ops.aten.cat.default](args = ([%mul_2, %mul_2], -1), kwargs = {})
-    %cos : [num_users=1] = call_function[target=torch.ops.aten.cos.default](args = (%cat_1,), kwargs = {})
-    %mul_3 : [num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%cos, 1.0), kwargs = {})
-    %to_2 : [num_users=1] = call_function[target=torch.ops.aten.to.dtype](args = (%mul_3, torch.float32), kwargs = {})
-    %sin : [num_users=1] = call_function[target=torch.ops.aten.sin.default](args = (%cat_1,), kwargs = {})
-    %mul_4 : [num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%sin, 1.0), kwargs = {})
-    %to_3 : [num_users=1] = call_function[target=torch.ops.aten.to.dtype](args = (%mul_4, torch.float32), kwargs = {})
-    %unsqueeze_1 : [num_users=1] = call_function[target=torch.ops.aten.unsqueeze.default](args = (%to_2, -2), kwargs = {})
-    %unsqueeze_2 : [num_users=1] = call_function[target=torch.ops.aten.unsqueeze.default](args = (%to_3, -2), kwargs = {})
-    %slice_1 : [num_users=1] = call_function[target=torch.ops.aten.slice.Tensor](args = (%mul_1, 4, 4, 9223372036854775807), kwargs = {})
+    %mul_3 : [num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%select, %rsqrt), kwargs = {})
+    %to_3 : [num_users=1] = call_function[target=torch.ops.aten.to.dtype](args = (%mul_3, torch.float32), kwargs = {})
+    %mul_4 : [num_users=3] = call_function[target=torch.ops.aten.mul.Tensor](args = (%view_1, %to_3), kwargs = {})
+    %unsqueeze_1 : [num_users=1] = call_function[target=torch.ops.aten.unsqueeze.default](args = (%to_1, -2), kwargs = {})
+    %unsqueeze_2 : [num_users=1] = call_function[target=torch.ops.aten.unsqueeze.default](args = (%to_2, -2), kwargs = {})
+    %slice_1 : [num_users=1] = call_function[target=torch.ops.aten.slice.Tensor](args = (%mul_4, 4, 4, 9223372036854775807), kwargs = {})
     %neg : [num_users=1] = call_function[target=torch.ops.aten.neg.default](args = (%slice_1,), kwargs = {})
-    %slice_2 : [num_users=1] = call_function[target=torch.ops.aten.slice.Tensor](args = (%mul_1, 4, 0, 4), kwargs = {})
+    %slice_2 : [num_users=1] = call_function[target=torch.ops.aten.slice.Tensor](args = (%mul_4, 4, 0, 4), kwargs = {})
     %cat_2 : [num_users=1] = call_function[target=torch.ops.aten.cat.default](args = ([%neg, %slice_2], -1), kwargs = {})
-    %mul_5 : [num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%mul_1, %unsqueeze_1), kwargs = {})
+    %mul_5 : [num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%mul_4, %unsqueeze_1), kwargs = {})
     %mul_6 : [num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%cat_2, %unsqueeze_2), kwargs = {})
     %add_1 : [num_users=1] = call_function[target=torch.ops.aten.add.Tensor](args = (%mul_5, %mul_6), kwargs = {})
     %select_1 : [num_users=1] = call_function[target=torch.ops.aten.select.int](args = (%permute, 0, 1), kwargs = {})
@@ -142,25 +143,25 @@ graph():
     %arg25_1 : [num_users=1] = placeholder[target=arg25_1]
     %arg26_1 : [num_users=2] = placeholder[target=arg26_1]
     %arg27_1 : [num_users=1] = placeholder[target=arg27_1]
-    %cat : [num_users=2] = call_function[target=torch.ops.aten.cat.default](args = ([%arg1_1, %arg12_1, %arg2_1, %arg13_1],), kwargs = {})
-    %linear : [num_users=1] = call_function[target=torch.ops.aten.linear.default](args = (%arg26_1, %cat), kwargs = {})
-    %view : [num_users=1] = call_function[target=torch.ops.aten.view.default](args = (%linear, [2, 3, 2, 2, 1, 8]), kwargs = {})
-    %permute : [num_users=1] = call_function[target=torch.ops.aten.permute.default](args = (%view, [2, 3, 0, 1, 4, 5]), kwargs = {})
     %stack : [num_users=1] = call_function[target=torch.ops.aten.stack.default](args = ([%arg5_1, %arg16_1],), kwargs = {})
-    %reshape_default : [num_users=1] = call_function[target=torch.ops.aten.reshape.default](args = (%arg26_1, [6, 16]), kwargs = {})
     %unsqueeze : [num_users=1] = call_function[target=torch.ops.aten.unsqueeze.default](args = (%arg27_1, 2), kwargs = {})
-    %to_1 : [num_users=1] = call_function[target=torch.ops.aten.to.dtype](args = (%unsqueeze, torch.float32), kwargs = {})
-    %mul_2 : [num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%to_1, %arg25_1), kwargs = {})
-    %cat_1 : [num_users=2] = call_function[target=torch.ops.aten.cat.default](args = ([%mul_2, %mul_2], -1), kwargs = {})
-    %cos : [num_users=1] = call_function[target=torch.ops.aten.cos.default](args = (%cat_1,), kwargs = {})
-    %mul_3 : [num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%cos, 1.0), kwargs = {})
-    %to_2 : [num_users=1] = call_function[target=torch.ops.aten.to.dtype](args = (%mul_3, torch.float32), kwargs = {})
-    %reshape_default_1 : [num_users=1] = call_function[target=torch.ops.aten.reshape.default](args = (%to_2, [6, 8]), kwargs = {})
-    %sin : [num_users=1] = call_function[target=torch.ops.aten.sin.default](args = (%cat_1,), kwargs = {})
-    %mul_4 : [num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%sin, 1.0), kwargs = {})
-    %to_3 : [num_users=1] = call_function[target=torch.ops.aten.to.dtype](args = (%mul_4, torch.float32), kwargs = {})
-    %reshape_default_2 : [num_users=1] = call_function[target=torch.ops.aten.reshape.default](args = (%to_3, [6, 8]), kwargs = {})
-    %fused_kv_proj_default : [num_users=1] = call_function[target=torch.ops.dflash.fused_kv_proj.default](args = (%reshape_default, %cat, %stack, %reshape_default_1, %reshape_default_2, 1e-06), kwargs = {})
+    %to : [num_users=1] = call_function[target=torch.ops.aten.to.dtype](args = (%unsqueeze, torch.float32), kwargs = {})
+    %mul : [num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%to, %arg25_1), kwargs = {})
+    %cat : [num_users=2] = call_function[target=torch.ops.aten.cat.default](args = ([%mul, %mul], -1), kwargs = {})
+    %cos : [num_users=1] = call_function[target=torch.ops.aten.cos.default](args = (%cat,), kwargs = {})
+    %mul_1 : [num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%cos, 1.0), kwargs = {})
+    %to_1 : [num_users=1] = call_function[target=torch.ops.aten.to.dtype](args = (%mul_1, torch.float32), kwargs = {})
+    %sin : [num_users=1] = call_function[target=torch.ops.aten.sin.default](args = (%cat,), kwargs = {})
+    %mul_2 : [num_users=1] = call_function[target=torch.ops.aten.mul.Tensor](args = (%sin, 1.0), kwargs = {})
+    %to_2 : [num_users=1] = call_function[target=torch.ops.aten.to.dtype](args = (%mul_2, torch.float32), kwargs = {})
+    %cat_1 : [num_users=2] = call_function[target=torch.ops.aten.cat.default](args = ([%arg1_1, %arg12_1, %arg2_1, %arg13_1],), kwargs = {})
+    %linear : [num_users=1] = call_function[target=torch.ops.aten.linear.default](args = (%arg26_1, %cat_1), kwargs = {})
+    %view : [num_users=1] = call_function[target=torch.ops.aten.view.default](args = (%linear, [2, 3, 2, 2, -1, 8]), kwargs = {})
+    %permute : [num_users=1] = call_function[target=torch.ops.aten.permute.default](args = (%view, [2, 3, 0, 1, 4, 5]), kwargs = {})
+    %reshape_default : [num_users=1] = call_function[target=torch.ops.aten.reshape.default](args = (%arg26_1, [6, 16]), kwargs = {})
+    %reshape_default_1 : [num_users=1] = call_function[target=torch.ops.aten.reshape.default](args = (%to_1, [6, 8]), kwargs = {})
+    %reshape_default_2 : [num_users=1] = call_function[target=torch.ops.aten.reshape.default](args = (%to_2, [6, 8]), kwargs = {})
+    %fused_kv_proj_default : [num_users=1] = call_function[target=torch.ops.dflash.fused_kv_proj.default](args = (%reshape_default, %cat_1, %stack, %reshape_default_1, %reshape_default_2, 1e-06), kwargs = {})
     %getitem : [num_users=1] = call_function[target=operator.getitem](args = (%fused_kv_proj_default, 0), kwargs = {})
     %view_default : [num_users=1] = call_function[target=torch.ops.aten.view.default](args = (%getitem, [2, 2, 3, -1, 8]), kwargs = {})
     %select_1 : [num_users=1] = call_function[target=torch.ops.aten.select.int](args = (%permute, 0, 1), kwargs = {})
@@ -230,7 +231,7 @@ graph():
             k, v = pool[0][read].transpose(1, 2), pool[1][read].transpose(1, 2)
             k = k[:, :, None].expand(2, 1, 2, 8, 8).reshape(2, 2, 8, 8)
             v = v[:, :, None].expand(2, 1, 2, 8, 8).reshape(2, 2, 8, 8)
-            mask = context_visibility(positions, kv_lens, key_pos, True, 3)[:, None]
+            mask = context_visibility(positions, kv_lens, key_pos, MaskSpec(window=3))[:, None]
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.5)
 
         args = (torch.randn(2, 2, 2, 8), torch.randn(2, 4 * 4 + 2, 1, 8), torch.tensor([[2, 0], [3, 1]]),
@@ -242,7 +243,7 @@ graph():
     %pool_1 : [num_users=2] = placeholder[target=pool_1]
     %table_1 : [num_users=1] = placeholder[target=table_1]
     %kv_lens_1 : [num_users=2] = placeholder[target=kv_lens_1]
-    %positions_1 : [num_users=2] = placeholder[target=positions_1]
+    %positions_1 : [num_users=1] = placeholder[target=positions_1]
     %arange : [num_users=3] = call_function[target=torch.ops.aten.arange.default](args = (8,), kwargs = {device: cpu, pin_memory: False})
     %expand : [num_users=2] = call_function[target=torch.ops.aten.expand.default](args = (%arange, [2, 8]), kwargs = {})
     %floor_divide : [num_users=1] = call_function[target=torch.ops.aten.floor_divide.default](args = (%expand, 4), kwargs = {})
@@ -268,18 +269,17 @@ graph():
     %reshape_1 : [num_users=1] = call_function[target=torch.ops.aten.reshape.default](args = (%expand_2, [2, 2, 8, 8]), kwargs = {})
     %unsqueeze_4 : [num_users=1] = call_function[target=torch.ops.aten.unsqueeze.default](args = (%arange, 0), kwargs = {})
     %unsqueeze_5 : [num_users=3] = call_function[target=torch.ops.aten.unsqueeze.default](args = (%unsqueeze_4, 1), kwargs = {})
-    %unsqueeze_6 : [num_users=1] = call_function[target=torch.ops.aten.unsqueeze.default](args = (%kv_lens_1, 1), kwargs = {})
-    %unsqueeze_7 : [num_users=1] = call_function[target=torch.ops.aten.unsqueeze.default](args = (%unsqueeze_6, 2), kwargs = {})
-    %lt_1 : [num_users=1] = call_function[target=torch.ops.aten.lt.Tensor](args = (%unsqueeze_5, %unsqueeze_7), kwargs = {})
-    %unsqueeze_8 : [num_users=1] = call_function[target=torch.ops.aten.unsqueeze.default](args = (%positions_1, 2), kwargs = {})
-    %le : [num_users=1] = call_function[target=torch.ops.aten.le.Tensor](args = (%unsqueeze_5, %unsqueeze_8), kwargs = {})
+    %unsqueeze_6 : [num_users=2] = call_function[target=torch.ops.aten.unsqueeze.default](args = (%positions_1, 2), kwargs = {})
+    %unsqueeze_7 : [num_users=1] = call_function[target=torch.ops.aten.unsqueeze.default](args = (%kv_lens_1, 1), kwargs = {})
+    %unsqueeze_8 : [num_users=1] = call_function[target=torch.ops.aten.unsqueeze.default](args = (%unsqueeze_7, 2), kwargs = {})
+    %lt_1 : [num_users=1] = call_function[target=torch.ops.aten.lt.Tensor](args = (%unsqueeze_5, %unsqueeze_8), kwargs = {})
+    %le : [num_users=1] = call_function[target=torch.ops.aten.le.Tensor](args = (%unsqueeze_5, %unsqueeze_6), kwargs = {})
     %and_1 : [num_users=1] = call_function[target=torch.ops.aten.__and__.Tensor](args = (%lt_1, %le), kwargs = {})
-    %unsqueeze_9 : [num_users=1] = call_function[target=torch.ops.aten.unsqueeze.default](args = (%positions_1, 2), kwargs = {})
-    %sub : [num_users=1] = call_function[target=torch.ops.aten.sub.Tensor](args = (%unsqueeze_9, %unsqueeze_5), kwargs = {})
+    %sub : [num_users=1] = call_function[target=torch.ops.aten.sub.Tensor](args = (%unsqueeze_6, %unsqueeze_5), kwargs = {})
     %lt_2 : [num_users=1] = call_function[target=torch.ops.aten.lt.Scalar](args = (%sub, 3), kwargs = {})
     %and_2 : [num_users=1] = call_function[target=torch.ops.aten.__and__.Tensor](args = (%and_1, %lt_2), kwargs = {})
-    %unsqueeze_10 : [num_users=1] = call_function[target=torch.ops.aten.unsqueeze.default](args = (%and_2, 1), kwargs = {})
-    %scaled_dot_product_attention : [num_users=1] = call_function[target=torch.ops.aten.scaled_dot_product_attention.default](args = (%q_1, %reshape, %reshape_1, %unsqueeze_10), kwargs = {scale: 0.5})
+    %unsqueeze_9 : [num_users=1] = call_function[target=torch.ops.aten.unsqueeze.default](args = (%and_2, 1), kwargs = {})
+    %scaled_dot_product_attention : [num_users=1] = call_function[target=torch.ops.aten.scaled_dot_product_attention.default](args = (%q_1, %reshape, %reshape_1, %unsqueeze_9), kwargs = {scale: 0.5})
     return scaled_dot_product_attention""")
         n, count = _run_pass(BlockAttentionPass(), gm)
         self.assertEqual((n, count), (1, {"block_attention": 1}))
@@ -322,7 +322,7 @@ graph():
         def eager_mask(q, pool, table, kv_lens, positions):
             read, key_pos = read_slots(table, kv_lens, 4)
             k, v = pool[0][read].transpose(1, 2), pool[1][read].transpose(1, 2)
-            mask = context_visibility(positions, kv_lens, key_pos, True, None)[:, None]
+            mask = context_visibility(positions, kv_lens, key_pos, MaskSpec())[:, None]
             bias = torch.zeros(mask.shape).masked_fill(~mask, -1e9)
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias)
 

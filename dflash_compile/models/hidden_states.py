@@ -70,6 +70,15 @@ class AuxHiddenStates:
 
         return hook
 
+    def recording(self, forward, **kwargs):
+        """``forward(**kwargs)`` with the hooks recording, and off again afterwards on every path (a forward that
+        raises leaves them off: nothing of the user's own later forwards is kept)."""
+        self.enabled = True
+        try:
+            return forward(**kwargs)
+        finally:
+            self.enabled = False
+
     def read(self) -> torch.Tensor:
         missing = [i for i in self.layer_ids if i not in self._store]
         if missing:

@@ -48,6 +48,8 @@ from pathlib import Path
 
 import torch
 
+from ..primitives.slots import pages
+
 log = logging.getLogger(__name__)
 
 CACHE_DIR_ENV = "DFLASH_COMPILE_CACHE_DIR"
@@ -200,7 +202,7 @@ class _InProcessStep:
     convention as ``AOTCompiledFunction``."""
 
     def __init__(self, spec, backend, pages_range):
-        self._fn = torch.compile(spec.forward, backend=backend, fullgraph=True, dynamic=False)
+        self._fn = torch.compile(spec.dflash_step.forward, backend=backend, fullgraph=True, dynamic=False)
         self._pages_range = pages_range
 
     def guard_check(self, *args, **kwargs) -> bool:
@@ -273,13 +275,38 @@ class CompiledSteps:
 
     def _pages_range(self) -> tuple[int, int] | None:
         """The dynamic page dimension's range, or None where the capacity is too small for one."""
-        full = -(-self.spec.max_seq_len // self.spec.page_size)
+        full = pages(self.spec.max_seq_len, self.spec.page_size)
         return (2, full) if full >= 3 else None
 
     def compiled_keys(self) -> list[StepKey]:
         return sorted(self._fns)
 
     # ------------------------------------------------------------------ running a step
+    def step(self, args: tuple, kwargs: dict, propose: bool):
+        """One step (``DFlashStep.forward``'s arguments) through the graph of its key."""
+        block, block_tables = args[0], args[2]
+        key = self.key(block.shape[0], block_tables.shape[1], len(args) > 6, block.shape[1], propose)
+        return self.run(key, args, kwargs)
+
+    def precompile(self, buckets, modes, variants, progress: bool = True) -> dict:
+        """Make every (batch bucket, sampling mode, context bucket where graphs are static, ``(K, proposes)``
+        variant) graph ready, with a progress bar: ``{str(key): (how, seconds)}``."""
+        from tqdm.auto import tqdm
+
+        pages_of = [None] if self.serves_every_context else list(self.spec.context_buckets)
+        keys = [(b, p, m, v) for b in buckets for m in modes for p in pages_of for v in variants]
+        cache = self.spec.kv_cache()
+        report = {}
+        with tqdm(keys, desc="dflash precompile", unit="graph", disable=not progress) as bar:
+            for b, p, m, (k, propose) in bar:
+                key = self.key(b, p or 2, m, k + 1, propose)
+                bar.set_postfix_str(str(key))
+                args, kwargs = self.spec.dflash_step.example_inputs(cache, b, key.context_pages or 2, m, k, propose)
+                how, seconds = self.prepare(key, args, kwargs)
+                report[str(key)] = (how, round(seconds, 2))
+                bar.write(f"{key}: {how} in {seconds:.1f} s")
+        return report
+
     def run(self, key: StepKey, args: tuple, kwargs: dict):
         """The step of ``key`` on ``args``/``kwargs`` (``forward``'s), loaded or compiled on a miss (``on_miss``)."""
         self._check_device()
@@ -291,7 +318,7 @@ class CompiledSteps:
                     if self.on_miss == "background" and key not in self._background:
                         self._compile_in_background(key)
                     start = time.perf_counter()
-                    out = self.spec.forward(*args, **kwargs)
+                    out = self.spec.dflash_step(*args, **kwargs)
                     self.events.append((key, "eager", time.perf_counter() - start))
                     return out
                 if self.on_miss == "error":
@@ -323,8 +350,8 @@ class CompiledSteps:
         Dynamo traces on fake tensors (it reads the pools' shapes, never their contents), so the eager steps the
         host loop runs meanwhile are untouched."""
         cache = self.spec.kv_cache()
-        args, kwargs = self.spec._example_step_inputs(cache, key.batch, key.context_pages or 2, key.sampled,
-                                                      key.verify_len - 1, key.propose)
+        args, kwargs = self.spec.dflash_step.example_inputs(cache, key.batch, key.context_pages or 2, key.sampled,
+                                                            key.verify_len - 1, key.propose)
 
         def work():
             try:
@@ -370,7 +397,7 @@ class CompiledSteps:
         backend = _serializable(_backend_callable(self.backend, self.mode, self.options))
         with _TRACING, self._inductor_cache(), torch.no_grad(), torch._dynamo.config.patch(
                 automatic_dynamic_shapes=False):
-            compiled = torch.compile(self.spec, backend=backend, fullgraph=True, dynamic=False, options={
+            compiled = torch.compile(self.spec.dflash_step, backend=backend, fullgraph=True, dynamic=False, options={
                 "guard_filter_fn": torch.compiler.keep_portable_guards_unsafe})
             try:
                 fn = compiled.forward.aot_compile((tuple(args), dict(kwargs)))
@@ -415,7 +442,7 @@ class CompiledSteps:
         from torch._dynamo.aot_compile import AOTCompiledFunction, atomic_write_binary
 
         try:
-            payload = AOTCompiledFunction.serialize(fn, external_data={"spec": self.spec}).serialized_data
+            payload = AOTCompiledFunction.serialize(fn, external_data={"step": self.spec.dflash_step}).serialized_data
         except _NotSaveable as e:
             self._say_once("unsaveable", "dflash: the step graphs of backend %r stay in memory (%s)", self.backend, e)
             return
@@ -441,7 +468,7 @@ class CompiledSteps:
             blob = path.read_bytes()
             payload = self._unwrap(key, blob)
             with _TRACING, self._inductor_cache(), torch._inductor.config.patch(self._load_options()):
-                fn = torch.compiler.load_compiled_function(io.BytesIO(payload), external_data={"spec": self.spec})
+                fn = torch.compiler.load_compiled_function(io.BytesIO(payload), external_data={"step": self.spec.dflash_step})
         except Exception as e:  # a damaged or foreign entry never stops a request: compile instead
             self._warn(key, f"{type(e).__name__}: {e}".splitlines()[0][:200], path)
             return None
@@ -454,7 +481,7 @@ class CompiledSteps:
         """The Inductor config the graph was compiled under: a load looks its binaries up under the same build
         options (else Inductor compiles the saved C++ source again)."""
         if self.backend in ("dflash", "dflash_neuron"):
-            from .backends import inductor_options
+            from ..backends import inductor_options
 
             return inductor_options({next(self.spec.target.parameters()).device.type}, self.options)
         return dict(self.options) if self.backend == "inductor" else {}

@@ -361,3 +361,20 @@ class GoodputPolicy(SpeculationPolicy):
 
     def describe(self) -> str:
         return f"auto over K in {self._ks or 'the default set'}"
+
+
+def make_policy(speculation, num_speculative_tokens: int | None, block_size: int) -> SpeculationPolicy:
+    """The wrapper's ``speculation`` argument -> a policy (see ``DFlashSpecWrapper``)."""
+    K = num_speculative_tokens
+    if speculation is None:
+        speculation = "auto" if K is None else "fixed"
+    if isinstance(speculation, SpeculationPolicy):
+        return speculation
+    if isinstance(speculation, dict):
+        return BatchSizeSchedule(speculation, block_size - 1 if K is None else K)
+    if speculation == "fixed":
+        return FixedK(block_size - 1 if K is None else K)
+    if speculation == "auto":
+        return GoodputPolicy(None if K is None else tuple(k for k in default_ks(block_size) if k < K) + (K,))
+    raise ValueError(f"speculation={speculation!r}: expected 'auto', 'fixed', a num_speculative_tokens_per_batch_size "
+                     f"dict or a SpeculationPolicy")

@@ -30,23 +30,13 @@ from .speculators_format import (
     speculators_weights,
     weights_from_speculators,
 )
-from .kv_cache import context_visibility
+from ..primitives.kv_projection import apply_rope, context_kv, rms_norm
+from ..primitives.masks import MaskSpec, block_visibility, context_visibility
 
 _CONFIG_NAME = "config.json"
 _WEIGHTS_NAME = "model.safetensors"
 _POSITIVE_SIZES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
                    "intermediate_size", "vocab_size")
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Qwen3 RMSNorm with a weight that broadcasts over ``x``'s last dims.
-
-    Statistics in fp32 for half types (as HF), in the input's own precision for fp32/fp64.
-    """
-    dtype = x.dtype
-    xf = x.float() if x.element_size() < 4 else x
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(dtype)
 
 
 class RMSNorm(nn.Module):
@@ -57,14 +47,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE; ``x`` is ``[..., S, H, D]`` and ``cos``/``sin`` are ``[..., S, D]``."""
-    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
 
 
 class DFlashRotaryEmbedding(nn.Module):
@@ -329,15 +311,15 @@ class DFlashDraftModel(nn.Module):
 
         ``ctx [B, S, H]``, ``positions [B, S]`` -> ``k, v [L, B, S, Hkv, D]``.
         """
-        cfg = self.config
-        L, Hkv, D = cfg.num_hidden_layers, self.num_kv_heads, cfg.head_dim
-        B, S, _ = ctx.shape
-        kv = F.linear(ctx, self.stacked_kv_weight())  # [B, S, 2 * L * Hkv * D]
-        kv = kv.view(B, S, 2, L, Hkv, D).permute(2, 3, 0, 1, 4, 5)  # [2, L, B, S, Hkv, D]
         k_norm = torch.stack([layer.self_attn.k_norm.weight for layer in self.layers])  # [L, D]
-        k = rms_norm(kv[0], k_norm.view(L, 1, 1, 1, D), cfg.rms_norm_eps)
         cos, sin = self.rotary_emb(ctx, positions)  # [B, S, D]
-        return apply_rope(k, cos, sin), kv[1]
+        return context_kv(ctx, self.stacked_kv_weight(), k_norm, cos, sin, self.config.rms_norm_eps)
+
+    def mask_spec(self, layer_type: str) -> MaskSpec:
+        """What a drafter layer of ``layer_type`` sees: every context key and the whole block (non-causal), within
+        the drafter's window on a sliding-attention layer."""
+        return MaskSpec(causal=False, window=self.dflash_config.sliding_window if layer_type == "sliding_attention"
+                        else None)
 
     def attention_mask(self, ctx_lens, num_ctx, block_positions) -> list[torch.Tensor]:
         """One ``[B, 1, Q, S + Q]`` boolean mask per layer: the valid context keys (positions ``< ctx_lens``)
@@ -347,12 +329,9 @@ class DFlashDraftModel(nn.Module):
         key_pos = torch.arange(num_ctx, device=block_positions.device)
         masks = {}
         for kind in sorted(set(self.dflash_config.layer_types)):
-            window = self.dflash_config.sliding_window if kind == "sliding_attention" else None
-            ctx = context_visibility(block_positions, ctx_lens, key_pos, False, window).expand(B, Q, num_ctx)
-            block = torch.ones(B, Q, Q, dtype=torch.bool, device=block_positions.device)
-            if window:
-                block = block & (block_positions[:, :, None] - block_positions[:, None, :] < window)
-            masks[kind] = torch.cat([ctx, block], dim=-1)[:, None]
+            spec = self.mask_spec(kind)
+            ctx = context_visibility(block_positions, ctx_lens, key_pos, spec).expand(B, Q, num_ctx)
+            masks[kind] = torch.cat([ctx, block_visibility(block_positions, spec)], dim=-1)[:, None]
         return [masks[t] for t in self.dflash_config.layer_types]
 
     def forward(

@@ -508,12 +508,12 @@ class Scheduler:
         verified = batch.block[:bucket, 1:K + 1].tolist() if drafts else None
         first_draft = batch.block[:bucket, 1].clone() if K == 0 and drafted else None
         variant = (bucket, K, plan.propose, sampled, step_inputs[2].shape[1] if not spec.compiled else 0)
-        events = len(spec._steps.events) if spec.compiled else 0
+        events = len(spec.compiled_steps.events) if spec.compiled else 0
         start = time.perf_counter()
         tokens, num_accepted, next_block = spec.step(*step_inputs, *sampling, **states, propose=plan.propose)
         token_list = tokens.tolist()  # the step's one host read (it waits for the step)
         seconds = time.perf_counter() - start
-        if variant not in self._timed or (spec.compiled and len(spec._steps.events) != events):
+        if variant not in self._timed or (spec.compiled and len(spec.compiled_steps.events) != events):
             seconds = None  # a first call, or one that compiled or loaded a graph: not the step's cost
         self._timed.add(variant)
         agreed = ((first_draft == tokens[:, 0]).tolist() if first_draft is not None else [None] * bucket)

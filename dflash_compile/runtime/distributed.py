@@ -23,12 +23,17 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import json
+import logging
 import os
 import struct
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch import nn
+
+log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 60.0
 
@@ -183,3 +188,32 @@ def waited_collectives(gm: torch.fx.GraphModule) -> int:
         done += 1
     gm.recompile()
     return done
+
+
+def split_drafter(draft, tp: TensorParallel) -> None:
+    """Split the drafter over the target's ranks (heads and MLP, ``DFlashDraftModel.split``), or keep it whole
+    on every rank where its sizes do not divide (said in the log)."""
+    if draft.split_over == (tp.rank, tp.world):
+        return
+    if draft.split_over is not None:
+        raise ValueError(f"the drafter is split over {draft.split_over[1]} ranks, the target over {tp.world}")
+    reason = draft.split_reason(tp.world)
+    if reason:
+        log.warning("dflash: the drafter is replicated on each of the %d ranks (%s)", tp.world, reason)
+        return
+    draft.split(tp.rank, tp.world, tp.group)
+
+
+def rank_identity(spec) -> str:
+    """What must be the same on every rank of a tensor-parallel target: both configs, the drafter's weights (a
+    checksum), the wrapper's geometry and the speculation policy's ``K`` set."""
+    from ..models.draft_model import SPLIT_WEIGHTS
+
+    split = spec.draft.split_over is not None  # already split by another wrapper: each rank holds its share
+    with torch.no_grad():
+        weights = [round(float(p.double().sum()), 6) for name, p in spec.draft.named_parameters()
+                   if type(p) in (nn.Parameter, torch.Tensor) and not (split and name.endswith(SPLIT_WEIGHTS))]
+    return json.dumps([spec.target.config.get_text_config().to_json_string(), spec.draft.config.to_json_string(),
+                       repr(spec.draft.dflash_config), weights, spec.draft.split_over and spec.draft.split_over[1],
+                       spec.max_batch_size, spec.max_seq_len, spec.page_size, spec.batch_buckets,
+                       spec.context_buckets, list(spec.speculative_ks), type(spec.policy).__name__])

@@ -6,7 +6,7 @@ Granite 4 or Nemotron-H), a convolution window alone (LFM2's short convolutions)
 beside them (Falcon-H1 runs attention and Mamba side by side; Zamba's hybrid layers add a shared attention block).
 They reach HF's cache through ``LinearAttentionCacheLayerMixin`` (``update_conv_state``,
 ``update_recurrent_state``); ``PagedStateLayer`` implements that seam over pools with one slot per running request
-(``kv_cache.probe_layout`` sizes them from what HF's own cache stores, and finds the module that updates them), and
+(``layout.probe_layout`` sizes them from what HF's own cache stores, and finds the module that updates them), and
 ``PagedHybridLayer`` adds the paged K/V of a layer that has both. So any model written against the seam works,
 whatever its layers are called, not a list of families.
 
@@ -31,15 +31,15 @@ from __future__ import annotations
 
 import functools
 import inspect
+import weakref
 
 import torch
 from torch import nn
 from transformers.cache_utils import Cache, LinearAttentionCacheLayerMixin
 
-from .hidden_states import decoder_layers
-from .kv_cache import ATTENTION, TRASH_SLOT, ZERO_SLOT, PagedTargetLayer, StateLayout
-
-_CACHE_ARGS = ("cache", "cache_params", "past_key_values")
+from ..primitives.slots import TRASH_SLOT, ZERO_SLOT
+from .hf_cache import PagedTargetLayer
+from .layout import ATTENTION, StateLayout, cache_arg
 
 
 class StateAccess:
@@ -167,26 +167,8 @@ class PagedHybridLayer(PagedStateLayer, PagedTargetLayer):
     get_max_length = PagedTargetLayer.get_max_length
 
 
-def _cache_arg(module: nn.Module) -> str | None:
-    try:
-        params = inspect.signature(module.forward).parameters
-    except (TypeError, ValueError):  # a forward Python cannot introspect (a builtin): it takes no cache of ours
-        return None
-    return next((name for name in _CACHE_ARGS if name in params), None)
-
-
-def cache_taking_modules(target: nn.Module):
-    """``(qualified name, module, cache argument)`` of every module under ``target``'s decoder layers (the layers
-    included) whose forward takes a cache."""
-    layers = set(map(id, decoder_layers(target)))
-    inside = set()
-    for name, module in target.named_modules():
-        if id(module) in layers or any(name.startswith(prefix) for prefix in inside):
-            if id(module) in layers:
-                inside.add(name + ".")
-            arg = _cache_arg(module)
-            if arg is not None:
-                yield name, module, arg
+#: wrappers using each stepped mixer (the stepped ``forward`` is installed with the first, removed with the last)
+_STEPPED_USERS: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()
 
 
 def step_by_token(target: nn.Module, layouts) -> None:
@@ -199,21 +181,20 @@ def step_by_token(target: nn.Module, layouts) -> None:
         if not isinstance(layout, StateLayout):
             continue
         module = target.get_submodule(layout.mixer)
-        cache_arg = _cache_arg(module)
-        stepped = vars(module).get("forward")
-        if not getattr(stepped, "_dflash_stepped", False):
-            stepped = module.forward = _stepped(module.forward, i, cache_arg)
-        stepped._dflash_users += 1
+        if module not in _STEPPED_USERS:
+            module.forward = _stepped(module.forward, i, cache_arg(module))
+            _STEPPED_USERS[module] = 0
+        _STEPPED_USERS[module] += 1
 
 
 def unstep(target: nn.Module) -> None:
     """Undo one ``step_by_token`` on ``target``: the mixers get their own forward back with the last user."""
     for module in target.modules():
-        stepped = vars(module).get("forward")
-        if getattr(stepped, "_dflash_stepped", False):
-            stepped._dflash_users -= 1
-            if stepped._dflash_users <= 0:
-                del module.forward
+        if module in _STEPPED_USERS:
+            _STEPPED_USERS[module] -= 1
+            if _STEPPED_USERS[module] <= 0:
+                del _STEPPED_USERS[module]
+                del module.forward  # back to the class's forward
 
 
 def _stepped(inner, layer_idx: int, cache_arg: str):
@@ -238,6 +219,4 @@ def _stepped(inner, layer_idx: int, cache_arg: str):
             layer.end_token()
         return torch.cat(outs, dim=1)
 
-    forward = functools.wraps(inner)(forward)
-    forward._dflash_stepped, forward._dflash_users = True, 0
-    return forward
+    return functools.wraps(inner)(forward)
