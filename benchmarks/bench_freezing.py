@@ -40,7 +40,7 @@ def main() -> None:
             def backend(gm, example_inputs, freezing=freezing):
                 return dflash_backend(gm, example_inputs, {"freezing": freezing})
 
-            fns[name] = torch.compile(spec.forward, backend=backend, fullgraph=True, dynamic=False)
+            fns[name] = torch.compile(spec.dflash_step.forward, backend=backend, fullgraph=True, dynamic=False)
             start = time.perf_counter()
             fns[name](*inputs)
             print(f"{name}: compiled in {time.perf_counter() - start:.1f} s", flush=True)

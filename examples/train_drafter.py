@@ -107,6 +107,10 @@ def main(argv=None) -> int:
     p.add_argument("--sample", action="store_true", help="sample the continuations (default greedy)")
     p.add_argument("--cache-dir", default="build/dflash_data")
     p.add_argument("--checkpoint-every", type=int, default=200)
+    p.add_argument("--held-out", type=int, default=0,
+                   help="rows kept out of training (a seeded choice) and scored: per-position acceptance, acceptance "
+                        "length")
+    p.add_argument("--eval-every", type=int, default=0, help="score the held-out rows every N steps (and at the end)")
     p.add_argument("--max-minutes", type=float, default=None, help="stop with a checkpoint after this wall time")
     p.add_argument("--resume", action="store_true")
     p.add_argument("--cache-features", action="store_true",
@@ -177,7 +181,7 @@ def main(argv=None) -> int:
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch, blocks_per_seq=args.blocks_per_seq, lr=args.lr,
                       warmup_steps=args.warmup, gamma=args.gamma, checkpoint_every=args.checkpoint_every,
                       max_minutes=args.max_minutes, cache_features=args.cache_features, seed=args.seed,
-                      autocast=args.autocast)
+                      autocast=args.autocast, held_out=args.held_out, eval_every=args.eval_every)
     features = None
     if args.features_dir:
         from dflash_compile.training.data import fingerprint_dir
@@ -197,8 +201,9 @@ def main(argv=None) -> int:
     info["command_line"] = vars(args)  # the data settings, --init and --sliding-window: what the trainer can't know
     info["data_rows"] = len(data)
     info_path.write_text(json.dumps(runs + [info], indent=2) + "\n")
+    held = f", held-out tau {s['held_out']['tau']:.2f} acc {s['held_out']['acc']}" if s.get("held_out") else ""
     print(f"done: step {s['step']}/{s['steps']}, loss {s['final_loss']:.3f} (mean of last 20), "
-          f"tau estimate {s['final_tau_estimate']:.2f}, gamma {s['gamma']}, wall {s['wall_s']:.0f}s -> {args.out}")
+          f"tau estimate {s['final_tau_estimate']:.2f}{held}, gamma {s['gamma']}, wall {s['wall_s']:.0f}s -> {args.out}")
     return 0
 
 

@@ -37,15 +37,35 @@ def test_entry_points_in_a_fresh_interpreter():
     assert r.stderr.count("Neuron SDK (torch_neuronx, nki) is not installed") == 1, r.stderr
 
 
-def test_dynamic_graph_is_compiled_unchanged():
+def test_dynamic_graph_is_compiled_unchanged(monkeypatch):
+    """A graph with a symbolic size and nothing the passes match reaches Inductor as its own ATen, the size still
+    dynamo's symbol, and one graph serves every size."""
+    import dflash_compile.backends as backends
+
+    handed = []
+
+    def spy(gm, example_inputs, options):
+        handed.append((gm, example_inputs))
+        return real(gm, example_inputs, options)
+
+    real = backends._inductor
+    monkeypatch.setattr(backends, "_inductor", spy)
+
     def f(x):
         return x.sin() * 2
 
     torch._dynamo.reset()
     g = torch.compile(f, backend="dflash", dynamic=True)
-    for n in (3, 5):
+    for n in (3, 5, 8):
         x = torch.randn(n)
         torch.testing.assert_close(g(x), f(x))
+    assert len(handed) == 1  # one graph for every size
+    gm, example_inputs = handed[0]
+    ops = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert ops == [torch.ops.aten.sin.default, torch.ops.aten.mul.Tensor]
+    sizes = [x for x in example_inputs if isinstance(x, torch.SymInt)]
+    sizes += [d for x in example_inputs if isinstance(x, torch.Tensor) for d in x.shape if isinstance(d, torch.SymInt)]
+    assert sizes, f"no symbolic size among the compiled graph's inputs: {example_inputs}"
 
 
 def test_step_after_passes_keeps_only_dflash_ops_for_the_hot_patterns():

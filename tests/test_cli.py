@@ -38,6 +38,25 @@ def test_cli_runs(extra):
     assert "new tokens in" in r.stdout
 
 
+def test_cli_greedy_text_is_the_targets():
+    """What the CLI prints for a greedy request is the target's own greedy continuation, decoded."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dflash_compile.assets import tiny_pair_paths
+
+    prompt, new = "def fib(n):", 32
+    r = _run("--prompt", prompt, "--max-new-tokens", str(new))
+    assert r.returncode == 0, r.stderr
+    target_dir = tiny_pair_paths()[0]
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32, attn_implementation="sdpa")
+    ids = torch.tensor([tok(prompt).input_ids])
+    ref = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False)
+    printed = r.stdout.split("--- [0] finish reason: ")[1].split("\n", 1)[1].split("\n\n" + str(ref.shape[1] - ids.shape[1]))[0]
+    assert printed == tok.decode(ref[0].tolist(), skip_special_tokens=True)
+
+
 def test_cli_reproducible_sampling():
     args = ("--prompt", "abc", "--max-new-tokens", "8", "--temperature", "0.9", "--seed", "3")
     a, b = _run(*args), _run(*args)

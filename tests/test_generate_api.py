@@ -141,7 +141,7 @@ def test_errors_before_any_work(pair, monkeypatch, kwargs, error, match):
     def no_work(*a, **k):
         raise AssertionError("model work started before validation")
 
-    monkeypatch.setattr(spec, "prefill", no_work)
+    monkeypatch.setattr(spec.dflash_step, "prefill", no_work)
     kwargs = dict(kwargs)
     ids = kwargs.pop("input_ids", [PROMPT])
     if "seed" in kwargs and "generator" not in kwargs:

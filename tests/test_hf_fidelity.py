@@ -81,7 +81,7 @@ def _refused(pair, inputs, monkeypatch, error, match, **kwargs):
     def no_work(*a, **k):
         raise AssertionError("model work started before validation")
 
-    monkeypatch.setattr(spec, "prefill", no_work)
+    monkeypatch.setattr(spec.dflash_step, "prefill", no_work)
     with pytest.raises(error, match=match):
         spec.generate(ids, attention_mask=mask, **kwargs)
 

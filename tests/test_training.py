@@ -156,6 +156,32 @@ def test_resume_continues_exactly(tmp_path):
         torch.testing.assert_close(resumed.state_dict()[k], v)
 
 
+def test_held_out_rows_are_never_trained_on_and_are_scored(tmp_path, monkeypatch):
+    from dflash_compile.training import trainer
+
+    target, draft = _pair()
+    ds = _data(target, n=12)
+    cfg = TrainConfig(steps=4, batch_size=4, blocks_per_seq=3, lr=3e-3, warmup_steps=1, checkpoint_every=4, seed=1,
+                      held_out=3, eval_every=2)
+    seen = []
+    real = trainer._Batches.rows
+
+    def rows(self, idx, gen, num_blocks):
+        seen.append((idx.tolist(), gen.initial_seed()))
+        return real(self, idx, gen, num_blocks)
+
+    monkeypatch.setattr(trainer._Batches, "rows", rows)
+    out = train_drafter(target, draft, ds, cfg, tmp_path, progress=False)
+    held = {i for idx, s in seen if s == cfg.seed + 2 for i in idx}  # the scoring generator
+    trained = {i for idx, s in seen if s == cfg.seed for i in idx}
+    assert len(held) == 3 and not held & trained and trained <= set(range(12)) - held
+    scores = [h["held_out"] for h in out["history"] if "held_out" in h]
+    assert [h["step"] for h in out["history"] if "held_out" in h] == [2, 4]
+    assert out["held_out"] == scores[-1] and scores[-1]["rows"] == 3
+    assert len(scores[-1]["acc"]) == draft.block_size - 1 and 1.0 <= scores[-1]["tau"] <= draft.block_size
+    assert all(0.0 <= a <= 1.0 for a in scores[-1]["acc"])
+
+
 _SOURCE = '''import math
 
 

@@ -79,6 +79,7 @@ def block_attention(
     causal: bool,
     window: int,
     scale: float,
+    chunk: int = 0,
 ) -> Tensor:
     """A query block per request attending to its paged context plus, optionally, the block's own keys.
 
@@ -88,19 +89,20 @@ def block_attention(
 
     Keys of row ``b``: the context positions ``p < ctx_lens[b]``, stored at slot
     ``block_table[b, p // page_size] * page_size + p % page_size``, then the ``T`` block keys, the j-th at
-    position ``q_positions[b, j]``. Query ``i`` at position ``P = q_positions[b, i]`` sees context key ``p``
-    iff ``(not causal or p <= P) and (window == 0 or P - p < window)`` and block key ``j`` iff
-    ``(not causal or j <= i) and (window == 0 or P - q_positions[b, j] < window)``. Query head ``h`` reads
+    position ``q_positions[b, j]`` (a block's positions are consecutive). Query ``i`` at position ``P =
+    q_positions[b, i]`` sees a key at position ``p`` (context or block) iff ``MaskSpec(causal, window or None, chunk
+    or None)`` lets it (``primitives.masks``): ``(not causal or p <= P) and (window == 0 or P - p < window) and
+    (chunk == 0 or p // chunk == P // chunk)``. Query head ``h`` reads
     KV head ``h // (Hq // Hkv)`` (GQA). A query that sees no key returns zeros. Returns ``[B, Hq, T, D]``.
     """
     return _block_attention_reference(
-        q, k_pool, v_pool, block_table, ctx_lens, q_positions, k_block, v_block, page_size, causal, window, scale
+        q, k_pool, v_pool, block_table, ctx_lens, q_positions, k_block, v_block, page_size, causal, window, scale, chunk
     )
 
 
-def block_attention_mask(ctx_lens, q_positions, num_ctx, block_len, causal, window):
+def block_attention_mask(ctx_lens, q_positions, num_ctx, block_len, causal, window, chunk=0):
     """The visibility of :func:`block_attention` as a boolean ``[B, T, num_ctx + block_len]`` tensor."""
-    spec = MaskSpec(causal=causal, window=window or None)
+    spec = MaskSpec(causal=causal, window=window or None, chunk=chunk or None)
     key_pos = torch.arange(num_ctx, device=q_positions.device)
     B, T = q_positions.shape
     ctx = context_visibility(q_positions, ctx_lens, key_pos, spec).expand(B, T, num_ctx)
@@ -110,7 +112,7 @@ def block_attention_mask(ctx_lens, q_positions, num_ctx, block_len, causal, wind
 
 
 def _block_attention_reference(
-    q, k_pool, v_pool, block_table, ctx_lens, q_positions, k_block, v_block, page_size, causal, window, scale
+    q, k_pool, v_pool, block_table, ctx_lens, q_positions, k_block, v_block, page_size, causal, window, scale, chunk=0
 ):
     B, Hq, T, D = q.shape
     Hkv = k_pool.shape[-2]
@@ -122,7 +124,7 @@ def _block_attention_reference(
     v = v_pool[slots].transpose(1, 2)
     if k_block is not None:
         k, v = torch.cat([k, k_block], dim=2), torch.cat([v, v_block], dim=2)
-    mask = block_attention_mask(ctx_lens, q_positions, S, T if k_block is not None else 0, causal, window)
+    mask = block_attention_mask(ctx_lens, q_positions, S, T if k_block is not None else 0, causal, window, chunk)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32  # fp32 accumulation for half types
     k = k.repeat_interleave(Hq // Hkv, dim=1).to(acc)
     v = v.repeat_interleave(Hq // Hkv, dim=1).to(acc)
@@ -134,5 +136,6 @@ def _block_attention_reference(
 
 
 @block_attention.register_fake
-def _(q, k_pool, v_pool, block_table, ctx_lens, q_positions, k_block, v_block, page_size, causal, window, scale):
+def _(q, k_pool, v_pool, block_table, ctx_lens, q_positions, k_block, v_block, page_size, causal, window, scale,
+      chunk=0):
     return q.new_empty(q.shape)  # contiguous, like every implementation

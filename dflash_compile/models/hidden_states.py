@@ -73,11 +73,14 @@ class AuxHiddenStates:
     def recording(self, forward, **kwargs):
         """``forward(**kwargs)`` with the hooks recording, and off again afterwards on every path (a forward that
         raises leaves them off: nothing of the user's own later forwards is kept)."""
-        self.enabled = True
+        self.enabled, done = True, False
         try:
-            return forward(**kwargs)
+            out, done = forward(**kwargs), True
+            return out
         finally:
             self.enabled = False
+            if not done:  # what the failed forward recorded is nobody's
+                self._store.clear()
 
     def read(self) -> torch.Tensor:
         missing = [i for i in self.layer_ids if i not in self._store]

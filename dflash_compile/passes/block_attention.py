@@ -28,6 +28,7 @@ this form (e.g. an additive float mask) is left alone.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -35,6 +36,7 @@ import torch
 from torch.fx import Node
 
 from ..lowerings import ops  # noqa: F401  (registers torch.ops.dflash.*)
+from ..primitives.masks import MaskSpec, context_visibility
 from ._common import DFlashPass, bound_args, same_shape, val
 
 aten = torch.ops.aten
@@ -127,6 +129,7 @@ class _Visibility:
     q_positions: Node | None = None
     causal: bool = False
     window: int = 0
+    chunk: int = 0
 
 
 def _conjuncts(node: Node) -> list[Node]:
@@ -146,7 +149,7 @@ def _is_full_slice(node) -> bool:
 
 
 def _squeezed(node):
-    """``x[:, None, ...]``-style views of ``x`` (unsqueeze, expand, full slices) -> ``x``."""
+    """``x[:, None, ...]``-style views of ``x`` (unsqueeze, expand, full slices, selects of size-1 dims) -> ``x``."""
     while _is(node, aten.unsqueeze.default, aten.expand.default) or _is_full_slice(node):
         node = node.args[0]
     return node
@@ -156,42 +159,86 @@ def _is_key_pos(node) -> bool:
     return _is(_squeezed(node), aten.arange.default, aten.arange.start)
 
 
-def _context_visibility(node: Node) -> _Visibility | None:
-    """Parse ``kv_cache.context_visibility``: ``(kp < lens) [& (kp <= P)] [& (P - kp < window)]``."""
+_WINDOW, _CHUNK = 1_000_003, 1_000_033  # stand-ins for the literals in the traced conditions
+
+
+@functools.cache
+def _conditions() -> dict[str, torch.fx.Graph]:
+    """Each condition of the visibility rule traced alone, to pre-dispatch ATen as the backends retrace a step:
+    ``within`` (``primitives.masks.context_visibility``'s ``key < ctx_lens``) and ``MaskSpec.visible``'s causal,
+    window and chunk terms. The pass recognises a mask by these, not by a hand-written copy of the rule."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    x = torch.zeros(1, 1, 1, dtype=torch.long)
+    row, lens, keys = torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
+    within = functools.partial(context_visibility, spec=MaskSpec(causal=False))  # (q_positions, ctx_lens, key_pos)
+    conditions = {"within": make_fx(within, pre_dispatch=True)(row, lens, keys).graph}
+    for name, spec in (("causal", MaskSpec(causal=True)), ("window", MaskSpec(causal=False, window=_WINDOW)),
+                       ("chunk", MaskSpec(causal=False, chunk=_CHUNK))):
+        conditions[name] = make_fx(functools.partial(_one_condition, spec), pre_dispatch=True)(x, x.clone()).graph
+    return conditions
+
+
+def _one_condition(spec: MaskSpec, q, k):
+    return spec.visible(q, k)
+
+
+def _match(pattern: torch.fx.Graph, node: Node) -> dict | None:
+    """Bind ``pattern``'s output to ``node``: ``{placeholder index: node, stand-in literal: value}``, or None."""
+    placeholders = {n: i for i, n in enumerate(pattern.find_nodes(op="placeholder"))}
+    bound: dict = {}
+
+    def walk(t, g) -> bool:
+        if t.op == "placeholder":
+            prev = bound.setdefault(placeholders[t], g)
+            return _squeezed(prev) is _squeezed(g)
+        if not (_is(g, t.target) and len(g.args) == len(t.args)):
+            return False
+        for ta, ga in zip(t.args, g.args):
+            if isinstance(ta, Node):
+                if not walk(ta, ga):
+                    return False
+            elif ta in (_WINDOW, _CHUNK):
+                if not (isinstance(ga, int) and ga > 0):
+                    return False
+                bound[ta] = ga
+            elif ta != ga:
+                return False
+        return True
+
+    out = pattern.output_node().args[0]
+    return bound if walk(out, node) else None
+
+
+def _visibility(node: Node, block: bool = False) -> _Visibility | None:
+    """Parse a conjunction of the rule's conditions: over the context (``key < ctx_lens`` and the spec's terms) or,
+    with ``block``, over the block's own keys (all-visible ``ones`` and the spec's terms, the keys at the queries'
+    own positions)."""
     vis = _Visibility()
     for c in _conjuncts(node):
-        if _is(c, aten.lt.Tensor) and _is_key_pos(c.args[0]):
-            vis.ctx_lens = _squeezed(c.args[1])
-        elif _is(c, aten.le.Tensor) and _is_key_pos(c.args[0]):
-            vis.causal, P = True, _squeezed(c.args[1])
-            if vis.q_positions is not None and vis.q_positions is not P:
-                return None
-            vis.q_positions = P
-        elif _is(c, aten.lt.Scalar) and _is(c.args[0], aten.sub.Tensor) and _is_key_pos(c.args[0].args[1]):
-            vis.window, P = int(c.args[1]), _squeezed(c.args[0].args[0])
-            if vis.q_positions is not None and vis.q_positions is not P:
-                return None
-            vis.q_positions = P
-        else:
-            return None
-    return vis if vis.ctx_lens is not None else None
-
-
-def _block_part_window(node: Node, q_positions: Node | None) -> int | None:
-    """The drafter's block part: all-ones (window 0) or ``ones & (P[:, :, None] - P[:, None, :] < window)``."""
-    parts = _conjuncts(node)
-    window = 0
-    for c in parts:
-        if _is(c, aten.ones.default, aten.new_ones.default, aten.full.default):
+        if block and _is(c, aten.ones.default, aten.new_ones.default, aten.full.default):
             continue
-        if _is(c, aten.lt.Scalar) and _is(c.args[0], aten.sub.Tensor):
-            a, b = (_squeezed(x) for x in c.args[0].args)
-            if a is not b or (q_positions is not None and a is not q_positions):
-                return None
-            window = int(c.args[1])
+        for name, pattern in _conditions().items():
+            bound = _match(pattern, c)
+            if bound is not None:
+                break
         else:
             return None
-    return window
+        if name == "within":
+            if block or not _is_key_pos(bound[2]):
+                return None
+            vis.ctx_lens = _squeezed(bound[1])
+            continue
+        q, k = _squeezed(bound[0]), _squeezed(bound[1])
+        if (k is not q) if block else not _is_key_pos(k):
+            return None
+        if vis.q_positions is not None and vis.q_positions is not q:
+            return None
+        vis.q_positions = q
+        vis.causal |= name == "causal"
+        vis.window = bound.get(_WINDOW, vis.window)
+        vis.chunk = bound.get(_CHUNK, vis.chunk)
+    return vis if block or vis.ctx_lens is not None else None
 
 
 def _mask(mask: Node, with_block: bool) -> _Visibility | None:
@@ -199,15 +246,14 @@ def _mask(mask: Node, with_block: bool) -> _Visibility | None:
         return None
     m = mask.args[0]
     if not with_block:
-        return _context_visibility(m)
+        return _visibility(m)
     if not (_is(m, aten.cat.default) and len(m.args[0]) == 2 and m.args[1] in (-1, 2)):
         return None
-    vis = _context_visibility(m.args[0][0])
-    if vis is None or vis.causal:
+    vis, own = _visibility(m.args[0][0]), _visibility(m.args[0][1], block=True)
+    if vis is None or own is None or (own.q_positions is not None and own.q_positions is not vis.q_positions):
         return None
-    window = _block_part_window(m.args[0][1], vis.q_positions)
-    if window is None or window != vis.window:
-        return None
+    if (own.causal, own.window, own.chunk) != (vis.causal, vis.window, vis.chunk):
+        return None  # the block's keys under another rule than the context's: not this op
     return vis
 
 
@@ -253,7 +299,7 @@ class BlockAttentionPass(DFlashPass):
             out = graph.call_function(
                 torch.ops.dflash.block_attention.default,
                 (q, k_pool, v_pool, read.block_table, read.ctx_lens, q_pos, k_blk, v_blk,
-                 read.page_size, vis.causal, vis.window, float(scale)),
+                 read.page_size, vis.causal, vis.window, float(scale), vis.chunk),
             )
         out.meta["val"] = val(node)
         node.replace_all_uses_with(out)

@@ -78,6 +78,16 @@ class CacheManager:
         self.cache = make(device=p.device)
         return self.cache
 
+    def for_requests(self, live, at_capacity: bool, verify_len: int) -> PagedKVCache:
+        """The pools with room for every request in ``live`` (each prompt + ``max_new_tokens`` + a verify block,
+        capped at ``max_seq_len``); at capacity when ``at_capacity`` (compiled: the graphs are static in the pools'
+        shapes) or with prefix caching (room for the pages no request holds)."""
+        if at_capacity or self.prefix_caching:
+            return self.pools()
+        need = sum(pages(min(self.max_seq_len, len(r.prompt) + r.args.max_new_tokens + verify_len), self.page_size)
+                   for r in live)
+        return self.pools(need)
+
     def _factory(self, device, dtype, num_blocks: int):
         """``PagedKVCache`` with this target's plan (made first if needed) and ``num_blocks``; the other keywords
         (``device``, and ``max_batch_size``/``num_blocks`` for scratch pools) given when called."""

@@ -257,6 +257,7 @@ class CompiledSteps:
         self._folder: tuple | None = None  # ((device, dtype), folder, fingerprint)
         self._said: set[str] = set()
         self.events: list[tuple[StepKey, str, float]] = []  # (key, "compiled" | "loaded" | "eager", seconds)
+        self.listeners: list = []  # called as fn(key, how, seconds) with every event (the scheduler's timing)
         self._background: dict[StepKey, threading.Thread | None] = {}  # keys compiling (None: that failed)
 
     def __reduce__(self):
@@ -288,11 +289,20 @@ class CompiledSteps:
         key = self.key(block.shape[0], block_tables.shape[1], len(args) > 6, block.shape[1], propose)
         return self.run(key, args, kwargs)
 
-    def precompile(self, buckets, modes, variants, progress: bool = True) -> dict:
-        """Make every (batch bucket, sampling mode, context bucket where graphs are static, ``(K, proposes)``
-        variant) graph ready, with a progress bar: ``{str(key): (how, seconds)}``."""
+    def precompile(self, batch_sizes, sampling, progress: bool = True) -> dict:
+        """``DFlashSpecWrapper.precompile``: every (batch bucket, sampling mode, context bucket where graphs are
+        static, ``(K, proposes)`` variant) graph made ready, with a progress bar: ``{str(key): (how, seconds)}``."""
         from tqdm.auto import tqdm
 
+        spec = self.spec
+        if sampling not in (False, True, "both"):
+            raise ValueError(f"sampling={sampling!r}: expected False, True or 'both'")
+        bad = [b for b in (batch_sizes or []) if not isinstance(b, int) or not 1 <= b <= spec.max_batch_size]
+        if bad:
+            raise ValueError(f"batch_sizes {bad} are outside [1, max_batch_size={spec.max_batch_size}]")
+        buckets = sorted({spec.batch_bucket(b) for b in batch_sizes}) if batch_sizes else list(spec.batch_buckets)
+        modes = [False, True] if sampling == "both" else [bool(sampling)]
+        variants = spec.step_graphs()
         pages_of = [None] if self.serves_every_context else list(self.spec.context_buckets)
         keys = [(b, p, m, v) for b in buckets for m in modes for p in pages_of for v in variants]
         cache = self.spec.kv_cache()
@@ -319,7 +329,7 @@ class CompiledSteps:
                         self._compile_in_background(key)
                     start = time.perf_counter()
                     out = self.spec.dflash_step(*args, **kwargs)
-                    self.events.append((key, "eager", time.perf_counter() - start))
+                    self._record(key, "eager", time.perf_counter() - start)
                     return out
                 if self.on_miss == "error":
                     raise RuntimeError(f"no compiled step for {key} (on_miss='error'): precompile it first, with "
@@ -337,6 +347,11 @@ class CompiledSteps:
             fn.disable_guard_check()
             self._checked.add(key)
         return fn(*args, **kwargs)
+
+    def _record(self, key: StepKey, how: str, seconds: float) -> None:
+        self.events.append((key, how, seconds))
+        for fn in self.listeners:
+            fn(key, how, seconds)
 
     def _check_device(self) -> None:
         p = next(self.spec.target.parameters())
@@ -409,7 +424,7 @@ class CompiledSteps:
                 fn = _InProcessStep(self.spec, backend, rng)
         self._fns[key] = fn
         self._checked.discard(key)
-        self.events.append((key, "compiled", time.perf_counter() - start))
+        self._record(key, "compiled", time.perf_counter() - start)
         if not isinstance(fn, _InProcessStep):
             self._save(key, fn)
         return fn
@@ -474,7 +489,7 @@ class CompiledSteps:
             return None
         self._fns[key] = fn
         self._checked.discard(key)
-        self.events.append((key, "loaded", time.perf_counter() - start))
+        self._record(key, "loaded", time.perf_counter() - start)
         return fn
 
     def _load_options(self) -> dict:
@@ -508,3 +523,19 @@ class CompiledSteps:
         if tag not in self._said:
             self._said.add(tag)
             log.warning(msg, *args)
+
+
+def compiled_steps_for(spec, backend, *, cache_dir, on_miss, mode, options, fullgraph, dynamic, **kwargs):
+    """``DFlashSpecWrapper.compile``'s arguments checked, then the wrapper's ``CompiledSteps``."""
+    if not fullgraph:
+        raise ValueError("the DFlash step compiles as one full graph: fullgraph=False is not supported")
+    if dynamic not in (None, False):
+        raise ValueError("dynamic shapes are chosen per dimension by the wrapper (the context length); "
+                         "leave dynamic unset")
+    if kwargs:
+        raise TypeError(f"compile() got unexpected arguments {sorted(kwargs)}")
+    if spec.tp is not None and on_miss == "background":
+        raise ValueError("on_miss='background' is not supported with a tensor-parallel target: each rank would "
+                         "switch from the eager to the compiled step at its own time; use 'compile' or "
+                         "precompile()")
+    return CompiledSteps(spec, backend, cache_dir=cache_dir, on_miss=on_miss, mode=mode, options=options)

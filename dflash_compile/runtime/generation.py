@@ -185,10 +185,9 @@ def resolve_generation_args(target, prompt_len: int, kwargs: dict[str, Any]) -> 
     not a ``generate`` argument. With ``do_sample=False`` temperature, top-k, top-p (and the other sampling
     warpers) are ignored, as HF does."""
     kwargs = dict(kwargs)
-    sources = [(c, where) for c, where in ((kwargs.pop("generation_config", None), "generation_config"),
-                                           (getattr(target, "generation_config", None), "target.generation_config"))
-               if c is not None]
-    configs = [c for c, _ in sources]
+    args = _Lookup(kwargs, [(c, where) for c, where in ((kwargs.pop("generation_config", None), "generation_config"),
+                                                        (getattr(target, "generation_config", None),
+                                                         "target.generation_config")) if c is not None])
     fields = _config_fields()
     unknown = sorted(set(kwargs) - fields - set(_HF_CALL_ARGS) - _HF_CALL_ARGS_NO_EFFECT)
     if unknown:
@@ -196,38 +195,60 @@ def resolve_generation_args(target, prompt_len: int, kwargs: dict[str, Any]) -> 
     for name, no_ops in _HF_CALL_ARGS.items():
         if name in kwargs and not _is_off(kwargs[name], no_ops):
             raise ValueError(f"{name}= is not supported by DFlash generation")
+    do_sample = bool(args.get("do_sample"))
+    _refuse_unsupported(args, fields, do_sample)
+    temperature, top_k, top_p = _sampling(args, do_sample)
+    max_new = _max_new_tokens(target, prompt_len, kwargs, [c for c, _ in args.sources], args.get)
+    eos_ids, pad = _eos_and_pad(args, prompt_len)
+    stop = args.get("stop_strings") or ()
+    stop = (stop,) if isinstance(stop, str) else tuple(stop)
+    if any(not isinstance(x, str) or not x for x in stop):
+        raise ValueError(f"stop_strings must be non-empty strings, got {stop}")
+    return GenerationArgs(int(max_new), eos_ids, pad, do_sample, temperature, top_k, top_p, stop)
 
-    def value(name):
-        if name in kwargs:
-            return kwargs[name], "argument"
-        for c, where in sources:
+
+class _Lookup:
+    """An argument's value by HF's priority: the call's ``kwargs``, then each config in ``sources``, then HF's
+    defaults; ``refuse`` names where an unsupported value came from."""
+
+    def __init__(self, kwargs: dict, sources: list):
+        self.kwargs, self.sources = kwargs, sources
+
+    def value(self, name):
+        if name in self.kwargs:
+            return self.kwargs[name], "argument"
+        for c, where in self.sources:
             v = getattr(c, name, None)
             if v is not None:
                 return v, where
         return _HF_DEFAULTS.get(name), "default"
 
-    def get(name):
-        return value(name)[0]
+    def get(self, name):
+        return self.value(name)[0]
 
-    def refuse(name, why="DFlash generation does not support it"):
-        v, where = value(name)
+    def refuse(self, name, why="DFlash generation does not support it"):
+        v, where = self.value(name)
         origin = "" if where == "argument" else f" (from {where}; an argument {name}=... overrides it)"
         raise ValueError(f"{name}={v!r}{origin}: {why}")
 
-    do_sample = bool(get("do_sample"))
+
+def _refuse_unsupported(args: _Lookup, fields, do_sample: bool) -> None:
     for name in sorted(fields - _RESOLVED - _NO_EFFECT):
         no_ops = _REFUSED.get(name, _SAMPLING_ONLY.get(name, ()))
         if name in _SAMPLING_ONLY and not do_sample:
             continue
-        if not _is_off(get(name), no_ops):
-            refuse(name)
+        if not _is_off(args.get(name), no_ops):
+            args.refuse(name)
     for name in ("num_beams", "num_return_sequences"):
-        if get(name) != 1:
-            refuse(name, "speculative decoding produces one sequence per prompt (only 1)")
-    if get("cache_implementation") in ("paged", "quantized"):
-        refuse("cache_implementation", "HF's paged (continuous batching) and quantized caches are not DFlash's")
+        if args.get(name) != 1:
+            args.refuse(name, "speculative decoding produces one sequence per prompt (only 1)")
+    if args.get("cache_implementation") in ("paged", "quantized"):
+        args.refuse("cache_implementation", "HF's paged (continuous batching) and quantized caches are not DFlash's")
 
-    temperature, top_k, top_p = (get(n) for n in ("temperature", "top_k", "top_p"))
+
+def _sampling(args: _Lookup, do_sample: bool) -> tuple[float, int, float]:
+    """``(temperature, top_k, top_p)``, checked; neutral when not sampling (HF ignores them then)."""
+    temperature, top_k, top_p = (args.get(n) for n in ("temperature", "top_k", "top_p"))
     temperature = 1.0 if temperature is None else temperature  # an explicit None: that warper is off (HF)
     top_k = 0 if top_k is None else top_k
     top_p = 1.0 if top_p is None else top_p
@@ -239,31 +260,24 @@ def resolve_generation_args(target, prompt_len: int, kwargs: dict[str, Any]) -> 
         raise ValueError(
             f"temperature must be > 0 with do_sample=True, got {temperature} (use do_sample=False for greedy)"
         )
+    return (float(temperature), int(top_k), float(top_p)) if do_sample else (1.0, 0, 1.0)
 
-    max_new = _max_new_tokens(target, prompt_len, kwargs, configs, get)
-    eos = get("eos_token_id")
+
+def _eos_and_pad(args: _Lookup, prompt_len: int) -> tuple[tuple[int, ...], int | None]:
+    eos = args.get("eos_token_id")
     if isinstance(eos, torch.Tensor):
         eos = eos.tolist()
     eos_ids = () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
-    pad = get("pad_token_id")
+    pad = args.get("pad_token_id")
     if pad is None and eos_ids:
         pad = eos_ids[0]  # HF's fallback
-    min_new, min_length = get("min_new_tokens"), get("min_length")
+    min_new, min_length = args.get("min_new_tokens"), args.get("min_length")
     if eos_ids and min_new is not None and min_new > 0:  # HF suppresses eos until then; DFlash's step does not
-        refuse("min_new_tokens", "suppressing the eos tokens is not supported (it has no effect without an eos)")
+        args.refuse("min_new_tokens", "suppressing the eos tokens is not supported (it has no effect without an eos)")
     if eos_ids and min_length is not None and min_length > prompt_len:
-        refuse("min_length", f"suppressing the eos tokens is not supported (only a min_length <= the prompt width "
-                             f"{prompt_len}, or no eos)")
-    stop = get("stop_strings") or ()
-    stop = (stop,) if isinstance(stop, str) else tuple(stop)
-    if any(not isinstance(x, str) or not x for x in stop):
-        raise ValueError(f"stop_strings must be non-empty strings, got {stop}")
-    if not do_sample:  # HF ignores the sampling parameters when not sampling
-        temperature, top_k, top_p = 1.0, 0, 1.0
-    return GenerationArgs(
-        int(max_new), eos_ids, None if pad is None else int(pad), do_sample, float(temperature), int(top_k),
-        float(top_p), stop,
-    )
+        args.refuse("min_length", f"suppressing the eos tokens is not supported (only a min_length <= the prompt "
+                                  f"width {prompt_len}, or no eos)")
+    return eos_ids, None if pad is None else int(pad)
 
 
 def _max_new_tokens(target, prompt_len, kwargs, configs, get) -> int:
@@ -291,3 +305,19 @@ def _max_new_tokens(target, prompt_len, kwargs, configs, get) -> int:
         raise ValueError(f"max_length={max_length} leaves no new token after the {prompt_len}-token prompt: "
                          "raise max_length or give max_new_tokens")
     return max_length - prompt_len
+
+
+def generate_output(results, prefix: torch.Tensor, pad_token_id: int | None, device, return_dict: bool,
+                    output_drafts: bool, num_speculative_tokens: int):
+    """``generate``'s result from its requests' ``RequestResult``s: ``[B, L + new]`` (the left-padded prompts, then
+    each row's tokens, finished rows padded with ``pad_token_id``), or a ``DFlashGenerateOutput``."""
+    width = max(len(r.tokens) for r in results)
+    pad = pad_token_id if pad_token_id is not None else 0  # only used when width allows no pad
+    new = torch.tensor([r.tokens + [pad] * (width - len(r.tokens)) for r in results], dtype=torch.long)
+    sequences = torch.cat([prefix.cpu(), new], dim=1).to(device)
+    if not return_dict:
+        return sequences
+    return DFlashGenerateOutput.build(
+        sequences, [r.stats for r in results], [r.finish_reason for r in results], num_speculative_tokens,
+        [len(r.tokens) for r in results], prefix.shape[1], [r.drafts for r in results] if output_drafts else None,
+    )

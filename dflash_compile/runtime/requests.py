@@ -11,7 +11,6 @@ import torch
 from torch import nn
 
 from .generation import GenerationArgs, resolve_generation_args
-from .scheduler import request_generators
 from .target_check import check_tokenizer
 
 
@@ -125,3 +124,23 @@ def prompt_width(input_ids) -> int:
 def left_pad(prompts: list[list[int]], pad: int | None) -> torch.Tensor:
     width = max(len(p) for p in prompts)
     return torch.tensor([[pad] * (width - len(p)) + p for p in prompts], dtype=torch.long)
+
+
+def request_generators(n: int, seed, generator) -> list[torch.Generator]:
+    """One CPU ``torch.Generator`` per request, from ``seed`` / ``generator`` (or torch's global RNG)."""
+    if seed is not None and generator is not None:
+        raise ValueError("give seed or generator, not both")
+    if isinstance(generator, (list, tuple)):
+        if len(generator) != n:
+            raise ValueError(f"{len(generator)} generators for {n} prompts")
+        return list(generator)
+    if isinstance(seed, (list, tuple)):
+        if len(seed) != n:
+            raise ValueError(f"{len(seed)} seeds for {n} prompts")
+        seeds = [int(x) for x in seed]
+    else:
+        source = generator if generator is not None else (
+            torch.Generator().manual_seed(int(seed)) if seed is not None else None
+        )
+        seeds = torch.randint(0, 2**62, (n,), generator=source).tolist()
+    return [torch.Generator().manual_seed(x) for x in seeds]

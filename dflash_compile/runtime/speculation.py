@@ -378,3 +378,33 @@ def make_policy(speculation, num_speculative_tokens: int | None, block_size: int
         return GoodputPolicy(None if K is None else tuple(k for k in default_ks(block_size) if k < K) + (K,))
     raise ValueError(f"speculation={speculation!r}: expected 'auto', 'fixed', a num_speculative_tokens_per_batch_size "
                      f"dict or a SpeculationPolicy")
+
+
+def read_speculative_config(target, speculative_config: dict | str, kwargs: dict):
+    """vLLM's ``speculative_config`` -> ``(drafter, K, the wrapper's keyword arguments)`` (see
+    ``DFlashSpecWrapper.from_speculative_config``)."""
+    import json
+    from pathlib import Path
+
+    from ..models.draft_model import DFlashDraftModel
+    from ..models.hidden_states import decoder_layers
+
+    cfg = json.loads(speculative_config) if isinstance(speculative_config, str) else dict(speculative_config)
+    known = {"method", "model", "num_speculative_tokens", "num_speculative_tokens_per_batch_size", "max_model_len"}
+    unknown = sorted(set(cfg) - known)
+    if unknown:
+        raise ValueError(f"speculative_config keys {unknown} are not supported ({', '.join(sorted(known))})")
+    if cfg.get("method") != "dflash":
+        raise ValueError(f"speculative_config method {cfg.get('method')!r} is not supported: only 'dflash'")
+    if not cfg.get("model") or not Path(cfg["model"]).is_dir():
+        raise ValueError(f"speculative_config model {cfg.get('model')!r} is not a drafter directory")
+    p = next(target.parameters())
+    draft = DFlashDraftModel.from_pretrained(cfg["model"], dtype=p.dtype, device=p.device,
+                                             num_target_layers=len(decoder_layers(target)),
+                                             vocab_size=target.config.get_text_config().vocab_size)
+    kwargs = dict(kwargs)
+    if "max_model_len" in cfg:
+        kwargs.setdefault("max_seq_len", cfg["max_model_len"])
+    if "num_speculative_tokens_per_batch_size" in cfg:
+        kwargs.setdefault("speculation", cfg["num_speculative_tokens_per_batch_size"])
+    return draft, cfg.get("num_speculative_tokens"), kwargs

@@ -9,24 +9,22 @@ cache), ``scheduler.py`` (the continuous batch, on its own thread), ``speculatio
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from ..models.draft_model import DFlashDraftModel
-from ..models.hidden_states import AuxHiddenStates, decoder_layers
+from ..models.hidden_states import AuxHiddenStates
 from ..paged.pools import PagedKVCache
 from ..primitives.masks import MaskSpec
 from ..primitives.slots import pages
-from ..step.step import DFlashStep, SamplingInputs
+from ..step.step import DFlashStep
 from .cache_manager import CacheManager
 from .distributed import TensorParallel, rank_identity, split_drafter
-from .generation import DFlashGenerateOutput
+from .generation import generate_output
 from .requests import RequestMaker
 from .scheduler import Scheduler
-from .speculation import SpeculationPolicy, make_policy
+from .speculation import SpeculationPolicy, make_policy, read_speculative_config
 from .target_check import check_attention, check_heads_divide, validate_pair
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16)
@@ -66,24 +64,16 @@ class DFlashSpecWrapper(nn.Module):
         max_seq_len: capacity per request, prompt included (default: ``min(max_position_embeddings, 2048)``).
         page_size: KV block size, in tokens.
         batch_buckets: step batch sizes; a step runs at the smallest bucket that holds the live requests.
-        context_buckets: context lengths, in tokens, a step's attention spans (rounded up to whole pages; the
-            capacity is always one). A step runs at the smallest that holds every live row's context and block,
-            so attention costs what the live context needs, not the capacity. Default: 128, 256, 512, ... up to
-            ``max_seq_len``. Compiled with ``dflash`` or ``inductor``, one graph per batch bucket serves every context
-            length (the step walks the live pages); with ``dflash_neuron``, each (batch bucket, context bucket)
-            pair is one static graph.
-        max_cache_bytes: the most the KV pools may take (default: the memory available on the target's device when
-            they are allocated). Eager, they hold what the requests in flight can need (each ``prompt +
-            max_new_tokens + K + 1`` tokens at most) and grow in place, contents kept, when more requests join;
-            compiled, they are allocated at the capacity, ``max_batch_size`` requests of ``max_seq_len`` tokens, as
-            the step graphs are static in the pools' shapes. Pools that do not fit are a ``ValueError`` naming the
-            bytes, before anything is allocated (for ``generate``/``submit``: the joining requests fail with it).
-        prefix_caching: keep the full KV pages of every prompt (the target's and the drafter's), hashed as a chain
-            of pages, after their requests finish; a new request whose prompt starts with cached pages reuses them
-            and prefills only the rest. Pages no request holds are evicted least-recently-used when the pools need
-            room; the pools are then allocated at the capacity, as when compiled. Off for targets with
-            recurrent-state layers (their state is not kept at page boundaries; said in the log). ``spec.prefix_cache_stats()`` counts queries, hits and evictions. Greedy output is the same
-            with and without it.
+        context_buckets: context lengths, in tokens, a step's attention spans (default 128, 256, ... up to
+            ``max_seq_len``). Compiled with ``dflash`` or ``inductor`` one graph per batch bucket serves every context
+            length; ``dflash_neuron`` compiles one static graph per (batch bucket, context bucket).
+        max_cache_bytes: the most the KV pools may take (default: the memory available on the target's device).
+            Eager, they hold what the requests in flight can need and grow in place; compiled, they are allocated at
+            the capacity (``max_batch_size`` requests of ``max_seq_len`` tokens). Pools that do not fit are a
+            ``ValueError`` naming the bytes, before anything is allocated (docs/architecture.md, "Memory").
+        prefix_caching: keep every prompt's full KV pages, hashed as a chain, after their requests finish; a
+            request whose prompt starts with cached pages prefills only the rest (evicted least-recently-used; off
+            for targets with recurrent-state layers; ``prefix_cache_stats()``). Greedy output is unchanged.
 
     ``generate`` follows HF ``generate``; greedy output is token-identical to ``target.generate``.
     """
@@ -176,8 +166,6 @@ class DFlashSpecWrapper(nn.Module):
             out.append((0, True))
         return sorted(set(out))
 
-    sampling_inputs = SamplingInputs
-
     @classmethod
     def from_speculative_config(cls, target: nn.Module, speculative_config: dict | str, **kwargs):
         """A wrapper from vLLM's ``speculative_config`` (a dict or its JSON): ``{"method": "dflash", "model": DIR,
@@ -187,25 +175,8 @@ class DFlashSpecWrapper(nn.Module):
         from ``DIR`` (either checkpoint format) on the target's device and dtype. ``kwargs`` go to the constructor.
         Other methods, a missing model directory, ``K`` outside ``[0, block_size - 1]``, malformed ranges and keys
         it does not know are ``ValueError``."""
-        cfg = json.loads(speculative_config) if isinstance(speculative_config, str) else dict(speculative_config)
-        known = {"method", "model", "num_speculative_tokens", "num_speculative_tokens_per_batch_size", "max_model_len"}
-        unknown = sorted(set(cfg) - known)
-        if unknown:
-            raise ValueError(f"speculative_config keys {unknown} are not supported ({', '.join(sorted(known))})")
-        if cfg.get("method") != "dflash":
-            raise ValueError(f"speculative_config method {cfg.get('method')!r} is not supported: only 'dflash'")
-        if not cfg.get("model") or not Path(cfg["model"]).is_dir():
-            raise ValueError(f"speculative_config model {cfg.get('model')!r} is not a drafter directory")
-        p = next(target.parameters())
-        tcfg = target.config.get_text_config()
-        draft = DFlashDraftModel.from_pretrained(cfg["model"], dtype=p.dtype, device=p.device,
-                                                 num_target_layers=len(decoder_layers(target)),
-                                                 vocab_size=tcfg.vocab_size)
-        if "max_model_len" in cfg:
-            kwargs.setdefault("max_seq_len", cfg["max_model_len"])
-        if "num_speculative_tokens_per_batch_size" in cfg:
-            kwargs.setdefault("speculation", cfg["num_speculative_tokens_per_batch_size"])
-        return cls(target, draft, cfg.get("num_speculative_tokens"), **kwargs)
+        draft, K, kwargs = read_speculative_config(target, speculative_config, kwargs)
+        return cls(target, draft, K, **kwargs)
 
     def batch_bucket(self, rows: int) -> int:
         """The smallest batch bucket that holds ``rows`` rows."""
@@ -244,32 +215,15 @@ class DFlashSpecWrapper(nn.Module):
 
         The step is always one full graph (``fullgraph=False`` is refused) and its shapes are fixed by the key
         (``dynamic`` other than None/False is refused)."""
-        from .compiled_steps import CompiledSteps
+        from .compiled_steps import compiled_steps_for
 
-        if not fullgraph:
-            raise ValueError("the DFlash step compiles as one full graph: fullgraph=False is not supported")
-        if dynamic not in (None, False):
-            raise ValueError("dynamic shapes are chosen per dimension by the wrapper (the context length); "
-                             "leave dynamic unset")
-        if kwargs:
-            raise TypeError(f"compile() got unexpected arguments {sorted(kwargs)}")
-        if self.tp is not None and on_miss == "background":
-            raise ValueError("on_miss='background' is not supported with a tensor-parallel target: each rank would "
-                             "switch from the eager to the compiled step at its own time; use 'compile' or "
-                             "precompile()")
-        self.compiled_steps = CompiledSteps(self, backend, cache_dir=cache_dir, on_miss=on_miss, mode=mode, options=options)
+        self.compiled_steps = compiled_steps_for(self, backend, cache_dir=cache_dir, on_miss=on_miss, mode=mode,
+                                                 options=options, fullgraph=fullgraph, dynamic=dynamic, **kwargs)
+        self.compiled_steps.listeners.append(self.scheduler.graph_event)  # a step that compiled is not timed
 
     @property
     def compiled(self) -> bool:
         return self.compiled_steps is not None
-
-    def forward(self, *args, **kwargs):
-        """``DFlashStep.forward`` (one eager step; see ``step/step.py``)."""
-        return self.dflash_step(*args, **kwargs)
-
-    def prefill(self, *args, **kwargs):
-        """``DFlashStep.prefill`` (new prompts into the pools, and their first blocks)."""
-        return self.dflash_step.prefill(*args, **kwargs)
 
     def step(self, block, seq_lens, block_tables, active, target_pools, draft_pool, sampling=None, state_slots=None,
              propose: bool = True):
@@ -296,14 +250,7 @@ class DFlashSpecWrapper(nn.Module):
         sampling mode). Call :meth:`compile` first."""
         if self.compiled_steps is None:
             raise RuntimeError("precompile() needs a backend: call spec.compile(backend=...) first")
-        if sampling not in (False, True, "both"):
-            raise ValueError(f"sampling={sampling!r}: expected False, True or 'both'")
-        bad = [b for b in (batch_sizes or []) if not isinstance(b, int) or not 1 <= b <= self.max_batch_size]
-        if bad:
-            raise ValueError(f"batch_sizes {bad} are outside [1, max_batch_size={self.max_batch_size}]")
-        buckets = sorted({self.batch_bucket(b) for b in batch_sizes}) if batch_sizes else list(self.batch_buckets)
-        modes = [False, True] if sampling == "both" else [bool(sampling)]
-        return self.compiled_steps.precompile(buckets, modes, self.step_graphs(), progress)
+        return self.compiled_steps.precompile(batch_sizes, sampling, progress)
 
     # ------------------------------------------------------------------ pools
     def kv_cache(self, num_blocks: int | None = None) -> PagedKVCache:
@@ -382,17 +329,8 @@ class DFlashSpecWrapper(nn.Module):
             for h in handles:
                 h.cancel()
             raise
-        width = max(len(r.tokens) for r in results)
-        pad = args.pad_token_id if args.pad_token_id is not None else 0  # only used when width allows no pad
-        new = torch.tensor([r.tokens + [pad] * (width - len(r.tokens)) for r in results], dtype=torch.long)
-        device = next(self.target.parameters()).device
-        sequences = torch.cat([prefix.cpu(), new], dim=1).to(device)
-        if not return_dict_in_generate:
-            return sequences
-        return DFlashGenerateOutput.build(
-            sequences, [r.stats for r in results], [r.finish_reason for r in results], self.num_speculative_tokens,
-            [len(r.tokens) for r in results], prefix.shape[1], [r.drafts for r in results] if output_drafts else None,
-        )
+        return generate_output(results, prefix, args.pad_token_id, next(self.target.parameters()).device,
+                               return_dict_in_generate, output_drafts, self.num_speculative_tokens)
 
     def submit(self, input_ids, attention_mask=None, *, streamer=None, tokenizer=None, seed: int | None = None,
                generator: torch.Generator | None = None, output_drafts: bool = False, **generation_kwargs):

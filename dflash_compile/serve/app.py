@@ -26,13 +26,7 @@ def create_app(engine: Engine, *, api_key: str | None = None) -> Starlette:
     """The ASGI app serving ``engine`` (run it with uvicorn). ``api_key``: the ``/v1`` routes then need
     ``Authorization: Bearer <api_key>``; ``/health`` and ``/metrics`` never do."""
     created = int(time.time())
-
-    def authorize(request: Request) -> None:
-        if api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-            raise APIError(401, "invalid or missing API key (Authorization: Bearer <key>)", code="invalid_api_key")
+    authorize = _authorizer(api_key)
 
     async def generate(request: Request, chat: bool) -> Response:
         arrival = time.monotonic()
@@ -67,13 +61,6 @@ def create_app(engine: Engine, *, api_key: str | None = None) -> Starlette:
     async def metrics(request: Request) -> Response:
         return Response(engine.metrics.exposition(), media_type=engine.metrics.content_type)
 
-    async def http_error(request: Request, exc: HTTPException) -> Response:
-        return error_response(APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
-                                       headers=dict(exc.headers or {})))
-
-    async def server_error(request: Request, exc: Exception) -> Response:
-        return error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error"))
-
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
@@ -87,7 +74,29 @@ def create_app(engine: Engine, *, api_key: str | None = None) -> Starlette:
         Route("/metrics", metrics, methods=["GET"]),
     ]
     return Starlette(routes=routes, lifespan=lifespan,
-                     exception_handlers={HTTPException: http_error, Exception: server_error})
+                     exception_handlers={HTTPException: _http_error, Exception: _server_error})
+
+
+def _authorizer(api_key: str | None):
+    """A check that a request carries ``Authorization: Bearer <api_key>`` (none without a key)."""
+
+    def authorize(request: Request) -> None:
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            raise APIError(401, "invalid or missing API key (Authorization: Bearer <key>)", code="invalid_api_key")
+
+    return authorize
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    return error_response(APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                                   headers=dict(exc.headers or {})))
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    return error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error"))
 
 
 def error_response(e: APIError) -> JSONResponse:

@@ -43,6 +43,8 @@ class TrainConfig:
     cache_features: bool = False  # run the target once over the whole dataset and keep its features in memory
     autocast: str | None = None  # "bfloat16": the drafter's matmuls in bf16 (fp32 weights, optimizer and loss)
     seed: int = 0
+    held_out: int = 0  # rows kept out of training (a seeded choice) and scored every ``eval_every`` steps
+    eval_every: int = 0  # 0: only at the end (when ``held_out``)
 
     def __post_init__(self):
         if self.steps < 1 or self.batch_size < 1 or self.blocks_per_seq < 1:
@@ -51,6 +53,8 @@ class TrainConfig:
             raise ValueError(f"bad learning-rate schedule: {self}")
         if self.gamma is not None and self.gamma <= 0:
             raise ValueError(f"gamma must be > 0, got {self.gamma}")
+        if self.held_out < 0 or self.eval_every < 0:
+            raise ValueError(f"held_out and eval_every must be >= 0: {self}")
         if self.autocast not in (None, "bfloat16", "float16"):
             raise ValueError(f"autocast must be None, 'bfloat16' or 'float16', got {self.autocast!r}")
 
@@ -118,83 +122,37 @@ def train_drafter(
     ``out_dir/checkpoints`` and the final drafter to ``out_dir`` (``DFlashDraftModel.save_pretrained``).
 
     ``features``: a ``features.FeatureStore`` of the target over ``data`` (the target is then not run per step).
-    Returns a summary: ``step`` reached, ``history`` (per-step loss and tau estimate), ``wall_s``.
+    ``cfg.held_out`` rows (a seeded choice) are kept out of training and scored every ``cfg.eval_every`` steps and at
+    the end: per-position acceptance and acceptance length of greedy verification on their blocks (teacher-forced on
+    the target's own tokens). Returns ``step``, ``history`` (loss, tau, ``held_out`` scores), ``held_out``, ``wall_s``.
     """
     from tqdm import tqdm
 
-    t0 = time.time()
-    out_dir = Path(out_dir)
+    t0, out_dir = time.time(), Path(out_dir)
     draft.bind_target(target)
     target.eval().requires_grad_(False)
     draft.train()
     gamma = cfg.gamma if cfg.gamma is not None else default_gamma(draft.block_size)
-    decay = [p for p in draft.parameters() if p.dim() >= 2]
-    no_decay = [p for p in draft.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.lr, betas=(0.9, 0.95),
-    )
+    opt = _optimizer(draft, cfg)
     gen = torch.Generator().manual_seed(cfg.seed)
-    step, history = 0, []
-    if resume:
-        ckpt = latest_checkpoint(out_dir)
-        if ckpt is not None:
-            state = load_checkpoint(ckpt)
-            draft.load_state_dict(state["draft"])
-            opt.load_state_dict(state["optimizer"])
-            gen.set_state(state["generator"])
-            step, history = state["step"], state["history"]
-            print(f"resumed from {ckpt} at step {step}", flush=True)
-
+    step, history = _resume(out_dir, draft, opt, gen) if resume else (0, [])
     aux = AuxHiddenStates(target, draft.dflash_config.target_layer_ids)
-    extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(target.forward).parameters else {}
-    device = next(draft.parameters()).device
-    min_anchor = torch.ones(len(data), dtype=torch.long) if cfg.anchors_in_prompt else data.starts()
-    if features is not None and cfg.cache_features:
-        raise ValueError("features= and cache_features=True both give the target's features: choose one")
-    width = len(draft.dflash_config.target_layer_ids) * target.config.get_text_config().hidden_size
-    if features is not None and features.width != width:
-        raise ValueError(f"the feature store has rows of {features.width}, the drafter's target layers {width}")
-    if cfg.cache_features:  # N * T * n_ids * H floats: for small targets only
-        with torch.no_grad():
-            chunks = []
-            for i in tqdm(range(0, len(data), cfg.batch_size), desc="target features", disable=not progress,
-                          mininterval=5):
-                target(input_ids=data.tokens[i : i + cfg.batch_size].to(device), use_cache=False, **extra)
-                chunks.append(aux.read().cpu())
-            features = torch.cat(chunks)
+    batches = _Batches(target, draft, data, cfg, features, aux, progress)
     bar = tqdm(total=cfg.steps, initial=step, desc="drafter", disable=not progress, mininterval=5)
     stopped_early = False
     try:
         while step < cfg.steps:
-            idx = torch.randint(0, len(data), (cfg.batch_size,), generator=gen)
-            lengths = data.lengths[idx]
-            T = int(lengths.max())
-            tokens = data.tokens[idx, :T].to(device)
-            anchors, valid = sample_anchors(lengths, cfg.blocks_per_seq, draft.block_size, min_anchor[idx], gen)
-            if isinstance(features, torch.Tensor):
-                hidden = features[idx, :T].to(device)
-            elif features is not None:
-                hidden = features.batch(idx, T).to(device)
-            else:
-                with torch.no_grad():
-                    target(input_ids=tokens, use_cache=False, **extra)
-                    hidden = aux.read()
+            tokens, hidden, anchors, valid = batches.next(gen)
             for group in opt.param_groups:
                 group["lr"] = cfg.lr_at(step)
-            amp = (torch.autocast(device.type, dtype=getattr(torch, cfg.autocast)) if cfg.autocast
-                   else contextlib.nullcontext())
-            with amp:
-                loss, m = dflash_loss(draft, hidden, tokens, anchors.to(device), valid.to(device), gamma)
+            with _autocast(cfg, tokens.device):
+                loss, m = dflash_loss(draft, hidden, tokens, anchors, valid, gamma)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(draft.parameters(), cfg.grad_clip)
             opt.step()
             step += 1
-            history.append({"step": step, "loss": round(loss.item(), 5), "tau": round(m["tau"], 4),
-                            "acc": [round(a, 4) for a in m["acc"].tolist()]})
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss.item():.3f}", tau=f"{m['tau']:.2f}", lr=f"{cfg.lr_at(step - 1):.1e}")
+            history.append(_record(step, loss, m, batches, draft, gamma, cfg, bar))
             out_of_time = cfg.max_minutes is not None and time.time() - t0 > 60 * cfg.max_minutes
             if step % cfg.checkpoint_every == 0 or step == cfg.steps or out_of_time:
                 _save_checkpoint(out_dir, step, draft, opt, gen, cfg, history)
@@ -208,14 +166,131 @@ def train_drafter(
         aux.remove()
     draft.eval()
     save_drafter(draft, out_dir, save_dtype)
-    wall = time.time() - t0
+    return _summary(out_dir, step, cfg, stopped_early, gamma, history, time.time() - t0)
+
+
+def _record(step: int, loss, m: dict, batches: "_Batches", draft, gamma: float, cfg: TrainConfig, bar) -> dict:
+    """The step's history entry (scored on the held-out rows every ``eval_every`` steps and at the last)."""
+    entry = {"step": step, "loss": round(loss.item(), 5), "tau": round(m["tau"], 4),
+             "acc": [round(a, 4) for a in m["acc"].tolist()]}
+    held = {}
+    if batches.held.numel() and ((cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps):
+        entry["held_out"] = batches.score(draft, gamma)
+        held = {"held_tau": f"{entry['held_out']['tau']:.2f}"}
+    bar.update(1)
+    bar.set_postfix(loss=f"{loss.item():.3f}", tau=f"{m['tau']:.2f}", lr=f"{cfg.lr_at(step - 1):.1e}", **held)
+    return entry
+
+
+def _optimizer(draft: DFlashDraftModel, cfg: TrainConfig) -> torch.optim.AdamW:
+    decay = [p for p in draft.parameters() if p.dim() >= 2]
+    no_decay = [p for p in draft.parameters() if p.dim() < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr, betas=(0.9, 0.95),
+    )
+
+
+def _resume(out_dir: Path, draft, opt, gen) -> tuple[int, list]:
+    ckpt = latest_checkpoint(out_dir)
+    if ckpt is None:
+        return 0, []
+    state = load_checkpoint(ckpt)
+    draft.load_state_dict(state["draft"])
+    opt.load_state_dict(state["optimizer"])
+    gen.set_state(state["generator"])
+    print(f"resumed from {ckpt} at step {state['step']}", flush=True)
+    return state["step"], state["history"]
+
+
+def _autocast(cfg: TrainConfig, device: torch.device):
+    return torch.autocast(device.type, dtype=getattr(torch, cfg.autocast)) if cfg.autocast else contextlib.nullcontext()
+
+
+class _Batches:
+    """Training batches (rows drawn from the training rows, anchors, the target's features from the store, from
+    memory or from a target forward) and the held-out rows' score."""
+
+    def __init__(self, target, draft, data: DraftDataset, cfg: TrainConfig, features, aux, progress: bool):
+        self.target, self.draft, self.data, self.cfg, self.aux = target, draft, data, cfg, aux
+        self.extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(target.forward).parameters else {}
+        self.device = next(draft.parameters()).device
+        self.min_anchor = torch.ones(len(data), dtype=torch.long) if cfg.anchors_in_prompt else data.starts()
+        if cfg.held_out >= len(data):
+            raise ValueError(f"held_out={cfg.held_out} leaves no training rows of {len(data)}")
+        order = torch.randperm(len(data), generator=torch.Generator().manual_seed(cfg.seed + 1))
+        self.held = order[:cfg.held_out].sort().values
+        self.train_rows = torch.arange(len(data)) if not cfg.held_out else order[cfg.held_out:].sort().values
+        if features is not None and cfg.cache_features:
+            raise ValueError("features= and cache_features=True both give the target's features: choose one")
+        width = len(draft.dflash_config.target_layer_ids) * target.config.get_text_config().hidden_size
+        if features is not None and features.width != width:
+            raise ValueError(f"the feature store has rows of {features.width}, the drafter's target layers {width}")
+        self.features = self._cached(progress) if cfg.cache_features else features
+
+    @torch.no_grad()
+    def _cached(self, progress: bool) -> torch.Tensor:  # N * T * n_ids * H floats: for small targets only
+        from tqdm import tqdm
+
+        chunks, bs = [], self.cfg.batch_size
+        for i in tqdm(range(0, len(self.data), bs), desc="target features", disable=not progress, mininterval=5):
+            self.target(input_ids=self.data.tokens[i : i + bs].to(self.device), use_cache=False, **self.extra)
+            chunks.append(self.aux.read().cpu())
+        return torch.cat(chunks)
+
+    def rows(self, idx: torch.Tensor, gen: torch.Generator, num_blocks: int):
+        """``(tokens, target features, anchors, valid)`` of rows ``idx``."""
+        lengths = self.data.lengths[idx]
+        T = int(lengths.max())
+        tokens = self.data.tokens[idx, :T].to(self.device)
+        anchors, valid = sample_anchors(lengths, num_blocks, self.draft.block_size, self.min_anchor[idx], gen)
+        if isinstance(self.features, torch.Tensor):
+            hidden = self.features[idx, :T].to(self.device)
+        elif self.features is not None:
+            hidden = self.features.batch(idx, T).to(self.device)
+        else:
+            with torch.no_grad():
+                self.target(input_ids=tokens, use_cache=False, **self.extra)
+                hidden = self.aux.read()
+        return tokens, hidden, anchors.to(self.device), valid.to(self.device)
+
+    def next(self, gen: torch.Generator):
+        pick = torch.randint(0, len(self.train_rows), (self.cfg.batch_size,), generator=gen)
+        return self.rows(self.train_rows[pick], gen, self.cfg.blocks_per_seq)
+
+    @torch.no_grad()
+    def score(self, draft, gamma: float) -> dict:
+        """The held-out rows' per-position acceptance and acceptance length (the same anchors every time)."""
+        gen = torch.Generator().manual_seed(self.cfg.seed + 2)
+        was_training = draft.training
+        draft.eval()
+        hits, taus, n = None, 0.0, 0
+        try:
+            for i in range(0, len(self.held), self.cfg.batch_size):
+                idx = self.held[i : i + self.cfg.batch_size]
+                tokens, hidden, anchors, valid = self.rows(idx, gen, self.cfg.blocks_per_seq)
+                with _autocast(self.cfg, tokens.device):
+                    _, m = dflash_loss(draft, hidden, tokens, anchors, valid, gamma)
+                k = int(valid.sum())
+                hits = m["acc"] * k if hits is None else hits + m["acc"] * k
+                taus, n = taus + (m["tau"] - 1.0) * k, n + k
+        finally:
+            draft.train(was_training)
+        n = max(n, 1)
+        return {"tau": round(1.0 + taus / n, 4), "acc": [round(float(a) / n, 4) for a in hits], "rows": len(self.held)}
+
+
+def _summary(out_dir: Path, step: int, cfg: TrainConfig, stopped_early: bool, gamma: float, history: list,
+             wall: float) -> dict:
     recent = history[-20:]
+    scored = [h["held_out"] for h in history if "held_out" in h]
     summary = {
         "step": step,
         "steps": cfg.steps,
         "stopped_early": stopped_early,
         "final_loss": sum(h["loss"] for h in recent) / max(1, len(recent)),
         "final_tau_estimate": sum(h["tau"] for h in recent) / max(1, len(recent)),
+        "held_out": scored[-1] if scored else None,
         "gamma": gamma,
         "config": asdict(cfg),
         "wall_s": round(wall, 1),

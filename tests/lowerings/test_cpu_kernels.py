@@ -8,12 +8,14 @@ import torch
 from dflash_compile.lowerings.cpu.block_attention import block_attention
 from dflash_compile.lowerings.ops import _block_attention_reference
 
-CASES = list(itertools.product([1, 5], [4, 16], [1, 2, 4], [False, True], [0, 3], [False, True]))
+CASES = list(itertools.product([1, 5], [4, 16], [1, 2, 4], [False, True], [(0, 0), (3, 0), (0, 8), (3, 8)],
+                               [False, True]))
 
 
-@pytest.mark.parametrize("T,page,gqa,causal,window,with_block", CASES)
+@pytest.mark.parametrize("T,page,gqa,causal,window_chunk,with_block", CASES)
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.float64, 1e-10)])
-def test_block_attention_matches_reference(T, page, gqa, causal, window, with_block, dtype, atol):
+def test_block_attention_matches_reference(T, page, gqa, causal, window_chunk, with_block, dtype, atol):
+    window, chunk = window_chunk
     g = torch.Generator().manual_seed(T * 100 + page + gqa)
     B, Hkv, D, NB = 3, 2, 16, 4
     slots = NB * B * page + 2
@@ -26,7 +28,7 @@ def test_block_attention_matches_reference(T, page, gqa, causal, window, with_bl
     q = torch.randn(B, Hkv * gqa, T, D, generator=g, dtype=dtype)
     kb = torch.randn(B, Hkv, T, D, generator=g, dtype=dtype) if with_block else None
     vb = torch.randn(B, Hkv, T, D, generator=g, dtype=dtype) if with_block else None
-    args = (q, k_pool, v_pool, table, ctx_lens, q_pos, kb, vb, page, causal, window, D**-0.5)
+    args = (q, k_pool, v_pool, table, ctx_lens, q_pos, kb, vb, page, causal, window, D**-0.5, chunk)
     torch.testing.assert_close(block_attention(*args), _block_attention_reference(*args), atol=atol, rtol=atol)
 
 

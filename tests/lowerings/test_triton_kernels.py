@@ -75,9 +75,9 @@ def _attention_inputs(B, Hkv, G, T, D, page_size, NB, with_block, dtype, gen):
     )
 
 
-def _attention_reference(inputs, dtype, causal, window, scale):
+def _attention_reference(inputs, dtype, causal, window, scale, chunk=0):
     ref_inputs = {k: _to_ref(v, dtype) for k, v in inputs.items()}
-    return ops._block_attention_reference(**ref_inputs, causal=causal, window=window, scale=scale)
+    return ops._block_attention_reference(**ref_inputs, causal=causal, window=window, scale=scale, chunk=chunk)
 
 
 def _on(inputs, device):
@@ -108,12 +108,12 @@ def test_block_attention(dtype, atol, rtol, B, Hkv, G, T, D, page_size, NB, caus
     _assert_close(out, expected, atol, rtol)
 
 
-@pytest.mark.parametrize("window", [0, 4])
-def test_block_attention_several_query_tiles(window):
-    """Hq // Hkv * T rows split over several programs, each walking its own context range."""
+@pytest.mark.parametrize("window, chunk", [(0, 0), (4, 0), (0, 8), (6, 8)])
+def test_block_attention_several_query_tiles(window, chunk):
+    """Hq // Hkv * T rows split over several programs, each walking its own context range (chunked too)."""
     gen = torch.Generator().manual_seed(7)
     inputs = _attention_inputs(2, 2, 4, 5, 64, 4, 8, True, torch.float32, gen)
-    args = dict(causal=True, window=window, scale=0.125)
+    args = dict(causal=True, window=window, scale=0.125, chunk=chunk)
     expected = _attention_reference(inputs, torch.float32, **args)
     out = block_attention_mod._launch(**_on(inputs, DEVICE), **args, block_m=16, block_n=16)
     _assert_close(out, expected, 2e-5, 2e-5)

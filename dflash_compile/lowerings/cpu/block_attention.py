@@ -30,6 +30,7 @@ def block_attention(
     causal: bool,
     window: int,
     scale: float,
+    chunk: int = 0,
 ) -> Tensor:
     """CPU implementation of :func:`dflash_compile.lowerings.ops.block_attention` (same contract)."""
     B, Hq, T, D = q.shape
@@ -42,7 +43,8 @@ def block_attention(
     if k_block is not None:
         k = torch.cat([k, k_block.transpose(1, 2)], dim=1)  # [B, S + T, Hkv, D]
         v = torch.cat([v, v_block.transpose(1, 2)], dim=1)
-    visible = block_attention_mask(ctx_lens, q_positions, S, T if k_block is not None else 0, causal, window)
+    visible = block_attention_mask(ctx_lens, q_positions, S, T if k_block is not None else 0, causal, window,
+                                   chunk)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     used = visible.any(1)[:, :, None, None]  # [B, K, 1, 1]: keys some query sees
     k = torch.where(used, k, 0.0).to(acc).permute(0, 2, 3, 1)  # [B, Hkv, D, K]

@@ -325,7 +325,12 @@ def block_attention(
     causal: bool,
     window: int,
     scale: float,
+    chunk: int = 0,
 ) -> Tensor:
-    """Same contract as :func:`dflash_compile.lowerings.ops.block_attention`."""
+    """Same contract as :func:`dflash_compile.lowerings.ops.block_attention`; chunked attention (``chunk``) is not
+    in the NKI kernel yet and is refused with that reason."""
+    if chunk:
+        raise NotImplementedError(f"dflash::block_attention with chunk={chunk} (chunked attention) has no NKI kernel "
+                                  f"yet; compile a chunked-attention target with backend='dflash'")
     return _launch(q, k_pool, v_pool, block_table, ctx_lens, q_positions, k_block, v_block, page_size, causal,
                    window, scale)

@@ -122,7 +122,7 @@ def _online_update(acc, m_i, l_i, q, k, v, visible, qk_scale, DOT_PRECISION: tl.
     return acc, m_new, l_i
 
 
-@triton.jit(do_not_specialize=["window"])
+@triton.jit(do_not_specialize=["window", "chunk"])
 def _kernel(
     q_ptr, k_pool_ptr, v_pool_ptr, block_table_ptr, ctx_lens_ptr, q_pos_ptr, k_blk_ptr, v_blk_ptr, out_ptr,
     ws_o_ptr, ws_l_ptr,
@@ -135,7 +135,7 @@ def _kernel(
     skb_b, skb_h, skb_t, skb_d,
     svb_b, svb_h, svb_t, svb_d,
     so_b, so_h, so_t, so_d,
-    T, D, G, max_ctx, window, qk_scale, split_span, m_tiles,
+    T, D, G, max_ctx, window, chunk, qk_scale, split_span, m_tiles,
     PAGE_SIZE: tl.constexpr,
     CAUSAL: tl.constexpr,
     HAS_BLOCK: tl.constexpr,
@@ -184,6 +184,7 @@ def _kernel(
         if CAUSAL:
             visible &= pos[None, :] <= P[:, None]
         visible &= (window == 0) | (P[:, None] - pos[None, :] < window)
+        visible &= (chunk == 0) | (pos[None, :] // tl.maximum(chunk, 1) == P[:, None] // tl.maximum(chunk, 1))
         needed = tl.max(visible.to(tl.int32), 0) > 0  # [N] some row sees the key: load it
         page = tl.load(block_table_ptr + b * sbt_b + (pos // PAGE_SIZE) * sbt_n, mask=needed, other=0)
         slot = page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE
@@ -206,6 +207,7 @@ def _kernel(
                 if CAUSAL:
                     visible &= j[None, :] <= qi[:, None]
                 visible &= (window == 0) | (P[:, None] - Pj[None, :] < window)
+                visible &= (chunk == 0) | (Pj[None, :] // tl.maximum(chunk, 1) == P[:, None] // tl.maximum(chunk, 1))
                 needed = tl.max(visible.to(tl.int32), 0) > 0
                 kv_mask = needed[:, None] & d_ok[None, :]
                 k_off = b * skb_b + g * skb_h + j[:, None] * skb_t + d[None, :] * skb_d
@@ -266,7 +268,7 @@ def _interpreted() -> bool:
 
 def _launch(
     q, k_pool, v_pool, block_table, ctx_lens, q_positions, k_block, v_block, page_size, causal, window, scale,
-    block_m=None, block_n=None, num_splits=None,
+    block_m=None, block_n=None, num_splits=None, chunk=0,
 ):
     B, Hq, T, D = q.shape
     Hkv = k_pool.shape[-2]
@@ -277,7 +279,8 @@ def _launch(
         from ..ops import _block_attention_reference
 
         return _block_attention_reference(
-            q, k_pool, v_pool, block_table, ctx_lens, q_positions, k_block, v_block, page_size, causal, window, scale
+            q, k_pool, v_pool, block_table, ctx_lens, q_positions, k_block, v_block, page_size, causal, window, scale,
+            chunk
         )
     G = Hq // Hkv
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -305,7 +308,7 @@ def _launch(
         *kb_strides,
         *vb_strides,
         *out.stride(),
-        T, D, G, max_ctx, window, scale * _LOG2E, p.split_span, m_tiles,
+        T, D, G, max_ctx, window, chunk, scale * _LOG2E, p.split_span, m_tiles,
         PAGE_SIZE=page_size,
         CAUSAL=bool(causal),
         HAS_BLOCK=has_block,
@@ -343,11 +346,13 @@ def block_attention(
     causal: bool,
     window: int,
     scale: float,
+    chunk: int = 0,
 ) -> Tensor:
     """Triton implementation of :func:`dflash_compile.lowerings.ops.block_attention` (same contract).
 
     fp64 inputs and head dims above :data:`MAX_HEAD_DIM` run the eager reference (exact); see :func:`plan`.
     """
     return _launch(
-        q, k_pool, v_pool, block_table, ctx_lens, q_positions, k_block, v_block, page_size, causal, window, scale
+        q, k_pool, v_pool, block_table, ctx_lens, q_positions, k_block, v_block, page_size, causal, window, scale,
+        chunk=chunk,
     )
