@@ -15,7 +15,14 @@ def _draft(target, **kw):
 
 
 def test_valid_pair(target):
-    DFlashSpecWrapper(target, _draft(target), num_speculative_tokens=7)
+    draft = _draft(target)
+    hooks = sum(len(m._forward_hooks) for m in target.modules())
+    spec = DFlashSpecWrapper(target, draft, num_speculative_tokens=7)
+    assert spec.speculative_ks == (7,) and spec.verify_len == 8 and spec.block_size == draft.block_size
+    assert draft.embed_tokens is target.get_input_embeddings() and draft.lm_head is target.get_output_embeddings()
+    assert spec.kv_cache_bytes() == 0 and spec.pools.cache is None  # nothing allocated before a request
+    assert sum(len(m._forward_hooks) for m in target.modules()) == hooks + len(set(draft.dflash_config.target_layer_ids))
+    spec.close()
 
 
 def test_hidden_size_mismatch(target):
