@@ -85,7 +85,7 @@ def main(argv=None):
     rows = {}
     for bucket in args.buckets:
         inputs = step_inputs(eager, bucket, args.prompt_len)
-        rows[bucket] = {"eager_ms": time_step(eager, inputs, args.repeats) * 1e3}
+        rows[bucket] = {"eager_ms": time_step(eager.step, inputs, args.repeats) * 1e3}
     for backend in args.backends:
         torch._dynamo.reset()
         counters.clear()

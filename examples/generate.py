@@ -100,7 +100,7 @@ def _load_pair(p, target_dir: str, draft_dir: str, tp: int = 1):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dflash_compile import DFlashDraftModel
-    from dflash_compile.runtime.wrapper import check_tokenizer
+    from dflash_compile.runtime.target_check import check_tokenizer
 
     split = {"tp_plan": "auto"} if tp > 1 else {}
     target = _loaded(p, "--target",

@@ -114,3 +114,22 @@ def test_training_labels_outside_the_vocabulary_are_not_in_the_loss():
     assert m_out["tau"] <= m["tau"]
     loss_out.backward()
     assert draft.draft_head.weight.grad is not None
+
+
+def test_narrowed_vocabulary_keeps_the_kept_tokens_logits():
+    from dflash_compile.models.checkpoint import narrow_draft_vocab
+
+    target = tiny_target("qwen3")
+    vocab = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(3))[:37]
+    wide = _drafter(target, vocab=vocab)
+    keep = vocab[torch.randperm(37, generator=torch.Generator().manual_seed(4))[:20]]
+    narrow = narrow_draft_vocab(wide, keep).bind_target(target)
+    assert narrow.draft_vocab_size == 20 and narrow.d2t.tolist() == keep.tolist()
+    args = _inputs(target, wide)
+    a, b = wide(*args), narrow(*args)
+    torch.testing.assert_close(b[..., keep], a[..., keep], rtol=0, atol=0)
+    others = torch.ones(VOCAB, dtype=torch.bool)
+    others[keep] = False
+    assert torch.isneginf(b[..., others]).all()
+    with pytest.raises(ValueError, match="not in it"):
+        narrow_draft_vocab(wide, [int(t) for t in range(VOCAB) if t not in set(vocab.tolist())][:1])

@@ -309,7 +309,7 @@ def test_other_names_are_type_errors(pair, monkeypatch, name):
 def test_every_hf_field_is_classified(pair, monkeypatch):
     """Each GenerationConfig field is resolved, has no effect, or is refused; one that DFlash does not know (a later
     transformers) is refused unless unset."""
-    from dflash_compile import generation
+    from dflash_compile.runtime import generation
 
     fields = set(GenerationConfig().to_dict())
     known = generation._RESOLVED | generation._NO_EFFECT | set(generation._REFUSED) | set(generation._SAMPLING_ONLY)

@@ -1,7 +1,7 @@
 """The same seed gives the same text: a seeded sampled request's tokens are a function of its seed, its positions
 and the target's distribution only, whatever K each step verifies (0, 1, 7, switching, or chosen by ``auto``),
 whoever shares the batch (greedy and sampled rows, joining and leaving at other steps), eager or compiled. (Two
-gloo ranks: tests/test_tensor_parallel.py; the server under two loads: tests/test_serve.py.)"""
+gloo ranks: tests/test_tensor_parallel.py; the server under two loads: tests/test_serve_api.py.)"""
 
 import threading
 import time

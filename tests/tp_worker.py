@@ -139,7 +139,7 @@ def odd_heads(args, rank):
     records = []
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())
-    logging.getLogger("dflash_compile.runtime.wrapper").addHandler(handler)
+    logging.getLogger("dflash_compile.runtime.distributed").addHandler(handler)
     n = target.config.get_text_config().num_hidden_layers
     draft = DFlashDraftModel.from_target(target, num_layers=1, block_size=4, target_layer_ids=[0, n - 1], seed=0,
                                          num_attention_heads=3, num_key_value_heads=1, head_dim=16)

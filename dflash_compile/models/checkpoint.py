@@ -332,3 +332,28 @@ def _qwen3_config(raw: dict, dflash: DFlashConfig) -> Qwen3Config:
     if fields.get("num_key_value_heads") is None:
         fields["num_key_value_heads"] = fields["num_attention_heads"]
     return Qwen3Config(**fields)
+
+
+def narrow_draft_vocab(model, keep):
+    """A copy of ``model`` (a drafter with a reduced draft vocabulary) whose head keeps only the target ids ``keep``,
+    each of which must be in its draft vocabulary: the same logits for those tokens, the others never drafted. The
+    copy is unbound (``bind_target``) and on ``model``'s device and dtype."""
+    import dataclasses
+
+    if model.draft_vocab_size is None:
+        raise ValueError("the drafter drafts over the target's whole vocabulary: nothing to narrow")
+    keep = torch.as_tensor(keep, dtype=torch.long)
+    where = {int(t): i for i, t in enumerate(model.d2t.tolist())}
+    missing = [int(t) for t in keep.tolist() if int(t) not in where]
+    if missing or keep.unique().numel() != keep.numel():
+        raise ValueError(f"keep must be distinct ids of the drafter's vocabulary; not in it: {missing[:5]}")
+    rows = torch.tensor([where[int(t)] for t in keep.tolist()], dtype=torch.long)
+    narrow = type(model)(model.config, dataclasses.replace(model.dflash_config, draft_vocab_size=len(keep)))
+    state = {k: v for k, v in model.state_dict().items() if k not in ("draft_head.weight", "d2t")}
+    state["draft_head.weight"] = model.draft_head.weight.detach()[rows.to(model.d2t.device)]
+    state["d2t"] = keep.to(model.d2t.device)
+    p = next(model.parameters())
+    narrow = narrow.to(device=p.device, dtype=p.dtype)
+    narrow.load_state_dict(state, strict=True)
+    narrow.set_draft_vocab(keep)
+    return narrow
