@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ...primitives.slots import pages
 from . import _runtime
 
 nl = nisa = None  # bound by _kernel(): importing this module never needs the Neuron SDK
@@ -283,7 +284,7 @@ def _launch(q, k_pool, v_pool, block_table, ctx_lens, q_positions, k_block, v_bl
         return torch.zeros_like(q)
     NB = block_table.shape[1]
     KT = _context_tile(page_size)
-    num_pages = -(-num_slots // page_size)
+    num_pages = pages(num_slots, page_size)
     if (num_pages + 1) * page_size > 2**31:
         raise ValueError("block_attention: the pool is too large for the kernel's int32 slots")
     # Pages outside the pool (-1 padding included) become num_pages, one past the pool: their slots are
