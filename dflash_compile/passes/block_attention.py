@@ -149,7 +149,7 @@ def _is_full_slice(node) -> bool:
 
 
 def _squeezed(node):
-    """``x[:, None, ...]``-style views of ``x`` (unsqueeze, expand, full slices, selects of size-1 dims) -> ``x``."""
+    """``x[:, None, ...]``-style views of ``x`` (unsqueeze, expand, full slices) -> ``x``."""
     while _is(node, aten.unsqueeze.default, aten.expand.default) or _is_full_slice(node):
         node = node.args[0]
     return node

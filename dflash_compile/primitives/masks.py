@@ -33,17 +33,17 @@ class MaskSpec:
         conditions and-ed left to right in the order above. None when nothing restricts (``within`` None and a
         non-causal, unwindowed, unchunked spec)."""
         out = within
-        conditions = []
         if self.causal:
-            conditions.append(lambda: k_pos <= q_pos)
+            out = _and(out, k_pos <= q_pos)
         if self.window:
-            conditions.append(lambda: q_pos - k_pos < self.window)
+            out = _and(out, q_pos - k_pos < self.window)
         if self.chunk:
-            conditions.append(lambda: k_pos // self.chunk == q_pos // self.chunk)
-        for condition in conditions:
-            c = condition()
-            out = c if out is None else out & c
+            out = _and(out, k_pos // self.chunk == q_pos // self.chunk)
         return out
+
+
+def _and(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:
+    return b if a is None else a & b
 
 
 def context_visibility(q_positions, ctx_lens, key_pos, spec: MaskSpec) -> torch.Tensor:

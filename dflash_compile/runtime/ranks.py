@@ -4,6 +4,8 @@ ranks of a tensor-parallel target so that every rank runs the same batch in lock
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .distributed import TensorParallel, digest
@@ -84,8 +86,6 @@ class Lockstep(SingleProcess):
                 f"in the same order")
 
     def plan(self, plan):
-        import dataclasses
-
         k, propose = self.tp.gather([plan.k, int(plan.propose)])[0]  # each rank times its own steps: rank 0's
         return dataclasses.replace(plan, k=k, propose=bool(propose))
 
