@@ -50,6 +50,12 @@ CPU_INDUCTOR_OPTIONS = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True,
 #: ``reorder_for_locality`` moved the kernel that adds the last decoder layer's MLP output into the residual stream
 #: ahead of that output's in-place all-reduce, so it read this rank's partial sum (greedy tokens diverged from the
 #: eager step's within 12 tokens on a tiny Qwen3 over two gloo ranks; ``tests/test_tensor_parallel.py``).
+#: For CPU graphs that call nested compile regions (``runtime/regions.py``) instead: torch 2.13's C++ wrapper cannot
+#: call a subgraph (``NotImplementedError: codegen invoke_subgraph is not implemented for cpp wrapper``), so these keep
+#: the Python wrapper, whose kernels build as one shared object each; the precompiled header makes each build cheap
+#: (SmolLM2-135M's step, batch 1, K 7, cold: 114 s inline with the C++ wrapper, 99 s as regions without the header,
+#: 74 s with it; ``benchmarks/bench_compile.py``).
+REGION_CPU_INDUCTOR_OPTIONS = {"cpp_wrapper": False, "cpp_cache_precompile_headers": True}
 COLLECTIVE_INDUCTOR_OPTIONS = {"cpp_wrapper": False, "reorder_for_locality": False}  # see also distributed.waited_collectives
 _said: set[str] = set()
 
@@ -205,12 +211,18 @@ def _retrace(gm, example_inputs, decomposition_table=None, dynamic: bool | None 
 
         fakes = [fakify(x) for x in example_inputs]
         # The graph's own constants (get_attr) are real tensors: the mode fakifies them as it meets them.
-        with fake_mode, torch._guards.tracing(None), unittest.mock.patch.object(fake_mode, "allow_non_fake_inputs",
-                                                                                True):
+        with fake_mode, _own_tracing_context(fake_mode), unittest.mock.patch.object(fake_mode, "allow_non_fake_inputs",
+                                                                                     True):
             return make_fx(gm, decomposition_table=decomposition_table, pre_dispatch=True)(*fakes)
-    with torch._guards.tracing(None):
+    with _own_tracing_context(None):
         return make_fx(gm, decomposition_table=decomposition_table, pre_dispatch=True,
                        tracing_mode="fake")(*example_inputs)
+
+
+def _own_tracing_context(fake_mode):
+    """A tracing context of the retrace's own, not dynamo's: it carries the cache through which every call of a
+    nested compile region is traced into one shared subgraph (without it, one copy per call)."""
+    return torch._guards.tracing(torch._guards.TracingContext(fake_mode))
 
 
 def dflash_passes(gm: torch.fx.GraphModule, example_inputs) -> torch.fx.GraphModule:
@@ -221,7 +233,11 @@ def dflash_passes(gm: torch.fx.GraphModule, example_inputs) -> torch.fx.GraphMod
         aten_gm = _retrace(gm, example_inputs)
     with dynamo_timed("dflash.passes"), torch._guards.tracing(None):
         counts = apply_passes(aten_gm)
-    log.info("dflash: replacements %s", counts)
+    calls = aten_gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph)
+    if calls:  # nested compile regions: how many layers call how many distinct subgraphs
+        counters["dflash"]["region_calls"] += len(calls)
+        counters["dflash"]["region_subgraphs"] += len({n.args[0].target for n in calls})
+    log.info("dflash: replacements %s (%d region calls)", counts, len(calls))
     return aten_gm
 
 
@@ -229,10 +245,12 @@ def lower(gm: torch.fx.GraphModule, example_inputs) -> torch.fx.GraphModule:
     """Retrace ``gm`` with every ``dflash`` op replaced by its implementation for the graph's device
     (``lowerings.lowering_table``); ops without one for that device stay as they are."""
     from .lowerings import lowering_table
+    from .passes import graph_modules
 
     kinds = {x.device.type for x in example_inputs if isinstance(x, torch.Tensor)}
     table = lowering_table(next(iter(kinds))) if len(kinds) == 1 else {}
-    ops = {n.target for n in gm.graph.nodes if n.op == "call_function" and str(n.target).startswith("dflash.")}
+    ops = {n.target for m in graph_modules(gm) for n in m.graph.nodes
+           if n.op == "call_function" and str(n.target).startswith("dflash.")}
     if not ops:
         return gm
     if not table:
@@ -243,10 +261,12 @@ def lower(gm: torch.fx.GraphModule, example_inputs) -> torch.fx.GraphModule:
         return _retrace(gm, example_inputs, table)
 
 
-def inductor_options(device_types: set[str], options: dict | None = None) -> dict:
-    """The Inductor config the DFlash backends compile a graph on ``device_types`` with (``options`` last). Loading
-    a saved graph patches the same config: Inductor's cache keys its binaries on the build options."""
-    device_options = CPU_INDUCTOR_OPTIONS if device_types == {"cpu"} else {}
+def inductor_options(device_types: set[str], options: dict | None = None, regions: bool = False) -> dict:
+    """The Inductor config the DFlash backends compile a graph on ``device_types`` with (``options`` last), for a
+    graph that calls nested compile regions or not. Loading a saved graph patches the same config: Inductor's cache
+    keys its binaries on the build options."""
+    cpu = REGION_CPU_INDUCTOR_OPTIONS if regions else CPU_INDUCTOR_OPTIONS
+    device_options = cpu if device_types == {"cpu"} else {}
     return {**INDUCTOR_OPTIONS, **device_options, **(options or {})}
 
 
@@ -258,7 +278,7 @@ def _inductor(gm, example_inputs, options):
     # its SymInt inputs: make_fx's placeholders lose ``val`` (dynamo's own graphs carry none), so the inputs count.
     for node in gm.graph.find_nodes(op="placeholder"):
         node.meta.pop("val", None)
-    opts = inductor_options(kinds, options)
+    opts = inductor_options(kinds, options, regions=has_regions(gm))
     if _collectives(gm):  # a tensor-parallel step: Inductor's defaults that break it, unless ``options`` set them
         from .runtime.distributed import waited_collectives
 
@@ -266,6 +286,11 @@ def _inductor(gm, example_inputs, options):
         counters["dflash"]["waited_collectives"] += waited_collectives(gm)  # complete before any read
     with inductor_config.patch(opts):
         return compile_fx(gm, example_inputs)
+
+
+def has_regions(gm: torch.fx.GraphModule) -> bool:
+    """Whether ``gm`` calls a nested compile region's subgraph."""
+    return any(gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph))
 
 
 def _collectives(gm: torch.fx.GraphModule) -> int:

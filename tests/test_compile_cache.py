@@ -54,7 +54,7 @@ def test_one_graph_serves_every_context_length():
     for prompt, new in zip(random_prompts([3, 40, 101], 0), (150, 60, 50)):  # up to the capacity
         assert _new_tokens(spec, prompt, new) == _reference(target, prompt, min(new, 160 - len(prompt)))
     assert backend.graphs == [1]
-    assert spec.compiled_steps.compiled_keys() == [StepKey(1, spec.verify_len, False, None)]
+    assert spec.compiled_steps.compiled_keys() == [StepKey(1, None, False, None)]
     assert spec.context_bucket(20) == 3 and spec.context_bucket(1) == 2  # the live pages, at least 2
 
 
@@ -137,7 +137,7 @@ def _damage(path: Path, how: str, other: Path | None = None) -> None:
 def test_a_damaged_entry_is_recompiled_with_one_warning(saved, tmp_path, caplog, how):
     cache, folder, prompt = saved
     shutil.copytree(cache, tmp_path / "c")
-    entry = tmp_path / "c" / folder.name / StepKey(1, 4, False, None).filename
+    entry = tmp_path / "c" / folder.name / StepKey(1, None, False, None).filename
     other = None
     if how == "guards reject it":
         _, bigger = _pair(max_seq_len=200)
@@ -167,7 +167,7 @@ def test_precompile_compiles_every_key_up_front_with_progress(capsys):
         spec.generate([[1, 2, 3]], max_new_tokens=4)
     report = spec.precompile(sampling="both")
     assert sorted(backend.graphs) == [1, 1, 2, 2]
-    assert set(report) == {str(StepKey(b, spec.verify_len, s, None)) for b in (1, 2) for s in (False, True)}
+    assert set(report) == {str(StepKey(b, None, s, None)) for b in (1, 2) for s in (False, True)}
     assert all(how == "compiled" and seconds >= 0 for how, seconds in report.values())
     err = capsys.readouterr().err
     assert "dflash precompile" in err and "4/4" in err
@@ -228,7 +228,7 @@ def test_close_waits_for_a_background_compile():
     _, spec = _pair()
     spec.compile(backend=CountingBackend(), on_miss="background")
     spec.generate([[1, 2, 3]], max_new_tokens=4)
-    thread = spec.compiled_steps._background.get(StepKey(1, spec.verify_len, False, None))
+    thread = spec.compiled_steps._background.get(StepKey(1, None, False, None))
     spec.close()  # the trace reads the hooks close() removes: it must be over first
     assert thread is None or not thread.is_alive()
 

@@ -26,11 +26,21 @@ def build_passes():
     return (FusedKVProjPass(), PagedKVWritePass(), BlockAttentionPass())
 
 
+def graph_modules(gm: torch.fx.GraphModule) -> list[torch.fx.GraphModule]:
+    """``gm`` and the subgraphs it calls (a nested compile region's ``invoke_subgraph`` body, a ``cond`` branch),
+    each once however often it is called."""
+    return [m for _, m in gm.named_modules(remove_duplicate=True) if isinstance(m, torch.fx.GraphModule)]
+
+
 def apply_passes(gm: torch.fx.GraphModule) -> dict[str, int]:
-    """Run every pass over ``gm`` in place; returns the replacements per pass."""
-    counts = {p.name: p(gm.graph) for p in build_passes()}
-    gm.graph.lint()
-    gm.recompile()
+    """Run every pass over ``gm`` and its subgraphs in place; returns the replacements per pass (a replacement
+    inside a region's subgraph counts once, however many layers call it)."""
+    counts = dict.fromkeys(PASS_NAMES, 0)
+    for module in graph_modules(gm):
+        for p in build_passes():
+            counts[p.name] += p(module.graph)
+        module.graph.lint()
+        module.recompile()
     return counts
 
 
@@ -39,4 +49,4 @@ def passes_uuid() -> str:
     return hashlib.sha256("".join(p.uuid() for p in build_passes()).encode()).hexdigest()
 
 
-__all__ = ["PASS_NAMES", "apply_passes", "build_passes", "passes_uuid"]
+__all__ = ["PASS_NAMES", "apply_passes", "build_passes", "graph_modules", "passes_uuid"]

@@ -49,6 +49,7 @@ from pathlib import Path
 import torch
 
 from ..primitives.slots import pages
+from .regions import compile_regions, repeated_layer_types
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,10 @@ ON_MISS = ("compile", "eager", "background", "error")
 STATIC_CONTEXT_BACKENDS = ("dflash_neuron",)
 _MAGIC = b"DFLASHSTEP1\n"
 _TRACING = threading.Lock()  # dynamo traces one graph at a time, process-wide
+# A dynamic size is traced for every value in its range, 1 included (a batch of one, a block of one token at K = 0):
+# without this, dynamo would specialise a size it meets as 1 and guard a size it meets as more against 1.
+def _size_oblivious():
+    return torch.fx.experimental._config.patch(backed_size_oblivious=True)
 
 
 def default_cache_dir() -> Path:
@@ -67,29 +72,34 @@ def default_cache_dir() -> Path:
     return Path(base) / "dflash_compile"
 
 
-@dataclasses.dataclass(frozen=True, order=True)
+@dataclasses.dataclass(frozen=True)
 class StepKey:
     """What tells one step graph from another: ``batch`` rows, ``verify_len`` tokens per row (``K + 1``), greedy or
-    ``sampled``, ``context_pages`` (None: every context length, the dynamic graph) and whether it ``propose``s the
-    next block (a step before a plain ``K = 0`` step does not)."""
+    ``sampled``, ``context_pages`` and whether it ``propose``s the next block (a step before a plain ``K = 0`` step
+    does not). None for a size: the graph serves every value of it (a dynamic dimension)."""
 
-    batch: int
-    verify_len: int
+    batch: int | None
+    verify_len: int | None
     sampled: bool
     context_pages: int | None = None
     propose: bool = True
 
+    def sort_key(self) -> tuple:
+        return tuple(-1 if v is None else v for v in dataclasses.astuple(self))
+
     @property
     def filename(self) -> str:
-        ctx = "any" if self.context_pages is None else str(self.context_pages)
+        size = lambda v: "any" if v is None else str(v)  # noqa: E731
         plain = "" if self.propose else "-noprop"
-        return f"step-b{self.batch}-v{self.verify_len}{plain}-{'sampled' if self.sampled else 'greedy'}-ctx{ctx}.pt2"
+        return (f"step-b{size(self.batch)}-v{size(self.verify_len)}{plain}-"
+                f"{'sampled' if self.sampled else 'greedy'}-ctx{size(self.context_pages)}.pt2")
 
     def __str__(self) -> str:
         ctx = "every context" if self.context_pages is None else f"{self.context_pages} pages"
         plain = "" if self.propose else " (no proposal)"
-        return (f"batch {self.batch}, K {self.verify_len - 1}{plain}, {'sampled' if self.sampled else 'greedy'}, "
-                f"{ctx}")
+        batch = "every batch" if self.batch is None else f"batch {self.batch}"
+        k = "every K" if self.verify_len is None else f"K {self.verify_len - 1}"
+        return f"{batch}, {k}{plain}, {'sampled' if self.sampled else 'greedy'}, {ctx}"
 
 
 @functools.cache
@@ -133,7 +143,7 @@ def _module_signature(module: torch.nn.Module) -> list:
     return [(name, tuple(p.shape), str(p.dtype)) for name, p in module.state_dict().items()]
 
 
-def fingerprint(spec, backend: str, mode, options: dict) -> dict:
+def fingerprint(spec, backend: str, mode, options: dict, regions: bool = False) -> dict:
     """Everything a saved step graph depends on, as a JSON-able dict (its hash names the cache folder)."""
     import transformers
 
@@ -146,6 +156,7 @@ def fingerprint(spec, backend: str, mode, options: dict) -> dict:
         "backend": backend,
         "mode": mode,
         "options": {k: repr(v) for k, v in sorted(options.items())},
+        "regions": regions,
         "device": _device_tag(p.device),
         # a CPU graph is guarded on the intra-op thread count (torch's global state): one folder per count, so a
         # process at another count neither loads nor overwrites it
@@ -201,9 +212,9 @@ class _InProcessStep:
     could not package: traced again at its first call in this process, kept in memory only. Same calling
     convention as ``AOTCompiledFunction``."""
 
-    def __init__(self, spec, backend, pages_range):
-        self._fn = torch.compile(spec.dflash_step.forward, backend=backend, fullgraph=True, dynamic=False)
-        self._pages_range = pages_range
+    def __init__(self, steps: "CompiledSteps", key: StepKey, backend):
+        self._fn = torch.compile(steps.spec.dflash_step.forward, backend=backend, fullgraph=True, dynamic=False)
+        self._steps, self._key = steps, key
 
     def guard_check(self, *args, **kwargs) -> bool:
         return True  # dynamo checks its own guards at every call
@@ -212,11 +223,10 @@ class _InProcessStep:
         pass
 
     def __call__(self, *args, **kwargs):
-        if self._pages_range is not None:  # each step's table is a fresh tensor: mark it as the capture did
-            torch._dynamo.mark_dynamic(args[2], 1, min=self._pages_range[0], max=self._pages_range[1])
+        args, kwargs = self._steps._marked(self._key, args, kwargs)  # the sizes the capture left open, again
         cfg = torch._dynamo.config  # every wrapper shares forward's code object, hence one dynamo cache for all keys
-        with _TRACING, cfg.patch(automatic_dynamic_shapes=False,
-                                 recompile_limit=max(cfg.recompile_limit, cfg.accumulated_recompile_limit)):
+        with _TRACING, compile_regions(self._steps.region_types), _size_oblivious(), cfg.patch(
+                automatic_dynamic_shapes=False, recompile_limit=max(cfg.recompile_limit, cfg.accumulated_recompile_limit)):
             return self._fn(*args, **kwargs)
 
 
@@ -238,7 +248,7 @@ class CompiledSteps:
     """The compiled step of one ``DFlashSpecWrapper``, per ``StepKey`` (see the module docstring)."""
 
     def __init__(self, spec, backend="dflash", *, cache_dir=None, on_miss: str = "compile", mode=None,
-                 options: dict | None = None, dynamic_context: bool | None = None):
+                 options: dict | None = None, dynamic_context: bool | None = None, regions: bool | None = None):
         if on_miss not in ON_MISS:
             raise ValueError(f"on_miss={on_miss!r}: expected one of {ON_MISS}")
         if isinstance(backend, str):
@@ -246,6 +256,11 @@ class CompiledSteps:
         self.spec = spec
         self.backend, self.mode, self.options = backend, mode, dict(options or {})
         self.on_miss = on_miss
+        # regional compilation (``regions.py``): by default wherever a layer class repeats, except tensor-parallel
+        # targets (their collectives run inside the layers, and the collective graph settings are the top graph's)
+        kinds = repeated_layer_types(spec.target)
+        self.regions = bool(kinds) and spec.tp is None if regions is None else bool(regions)
+        self.region_types = kinds if self.regions else []
         self.dynamic_context = (backend not in STATIC_CONTEXT_BACKENDS) if dynamic_context is None else dynamic_context
         self.cache_dir = None if not isinstance(backend, str) else Path(cache_dir) if cache_dir else default_cache_dir()
         # Inductor's own cache (the compiled C++/Triton binaries a saved graph loads) lives in the compile cache too
@@ -272,7 +287,38 @@ class CompiledSteps:
         return self.dynamic_context and self._pages_range() is not None
 
     def key(self, batch: int, context_pages: int, sampled: bool, verify_len: int, propose: bool = True) -> StepKey:
-        return StepKey(batch, verify_len, sampled, None if self.serves_every_context else context_pages, propose)
+        """The key of a step of these sizes. Where graphs are dynamic (``serves_every_context``), one graph serves
+        every context length and every ``K >= 1``: the key keeps the batch bucket, greedy or sampled, and ``K``
+        only where it is 0 (a one-token block, with or without a proposal: HF attention branches on a query length
+        of 1, so a block length from 1 up would not be one graph)."""
+        if not self.serves_every_context:
+            return StepKey(batch, verify_len, sampled, context_pages, propose)
+        return StepKey(batch, None if propose and verify_len > 1 else verify_len, sampled, None, propose)
+
+    def _marked(self, key: StepKey, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Fresh views of ``forward``'s arguments (the marks stay off the caller's tensors) with the sizes ``key``
+        leaves open marked dynamic: the table's pages, the batch of every per-row input, the block's length."""
+        args, kwargs = list(args), dict(kwargs)
+        dims = []  # (tensor, dim, min, max)
+        if key.context_pages is None and self._pages_range() is not None:
+            args[2] = args[2][:]
+            dims.append((args[2], 1, *self._pages_range()))
+        if key.batch is None:
+            for i in (0, 1, 2, 3):
+                args[i] = args[i][:]
+                dims.append((args[i], 0, 1, self.spec.max_batch_size))
+            if len(args) > 6:
+                args[6] = type(args[6])(*(t[:] for t in args[6]))
+                dims += [(t, 0, 1, self.spec.max_batch_size) for t in args[6]]
+            if kwargs.get("state_slots") is not None:
+                kwargs["state_slots"] = kwargs["state_slots"][:]
+                dims.append((kwargs["state_slots"], 0, 1, self.spec.max_batch_size))
+        if key.verify_len is None:
+            args[0] = args[0] if key.batch is None else args[0][:]  # (a view already when the batch is open)
+            dims.append((args[0], 1, 2, self.spec.dflash_step.block_size))
+        for t, dim, lo, hi in dims:
+            torch._dynamo.mark_dynamic(t, dim, min=lo, max=hi)
+        return tuple(args), kwargs
 
     def _pages_range(self) -> tuple[int, int] | None:
         """The dynamic page dimension's range, or None where the capacity is too small for one."""
@@ -280,7 +326,7 @@ class CompiledSteps:
         return (2, full) if full >= 3 else None
 
     def compiled_keys(self) -> list[StepKey]:
-        return sorted(self._fns)
+        return sorted(self._fns, key=StepKey.sort_key)
 
     # ------------------------------------------------------------------ running a step
     def step(self, args: tuple, kwargs: dict, propose: bool):
@@ -304,14 +350,14 @@ class CompiledSteps:
         modes = [False, True] if sampling == "both" else [bool(sampling)]
         variants = spec.step_graphs()
         pages_of = [None] if self.serves_every_context else list(self.spec.context_buckets)
-        keys = [(b, p, m, v) for b in buckets for m in modes for p in pages_of for v in variants]
-        cache = self.spec.kv_cache()
+        # dynamic graphs: many (bucket, K) pairs share one key
+        keys = list(dict.fromkeys(self.key(b, p or 2, m, k + 1, propose) for b in buckets for m in modes
+                                  for p in pages_of for k, propose in variants))
         report = {}
         with tqdm(keys, desc="dflash precompile", unit="graph", disable=not progress) as bar:
-            for b, p, m, (k, propose) in bar:
-                key = self.key(b, p or 2, m, k + 1, propose)
+            for key in bar:
                 bar.set_postfix_str(str(key))
-                args, kwargs = self.spec.dflash_step.example_inputs(cache, b, key.context_pages or 2, m, k, propose)
+                args, kwargs = self._example(key)
                 how, seconds = self.prepare(key, args, kwargs)
                 report[str(key)] = (how, round(seconds, 2))
                 bar.write(f"{key}: {how} in {seconds:.1f} s")
@@ -364,9 +410,7 @@ class CompiledSteps:
         """Compile ``key`` on a daemon thread from inputs of its shapes; the step runs eagerly until it is ready.
         Dynamo traces on fake tensors (it reads the pools' shapes, never their contents), so the eager steps the
         host loop runs meanwhile are untouched."""
-        cache = self.spec.kv_cache()
-        args, kwargs = self.spec.dflash_step.example_inputs(cache, key.batch, key.context_pages or 2, key.sampled,
-                                                            key.verify_len - 1, key.propose)
+        args, kwargs = self._example(key)
 
         def work():
             try:
@@ -401,17 +445,21 @@ class CompiledSteps:
         _, how, seconds = next(e for e in reversed(self.events) if e[0] == key)
         return how, seconds
 
+    def _example(self, key: StepKey) -> tuple[tuple, dict]:
+        """Step inputs of ``key``'s shapes to trace it with: for a size it leaves open, the largest the wrapper runs
+        (the size Inductor tunes its code for)."""
+        spec = self.spec
+        K = (key.verify_len or spec.verify_len) - 1
+        return spec.dflash_step.example_inputs(spec.kv_cache(), key.batch or spec.max_batch_size,
+                                               key.context_pages or 2, key.sampled, K, key.propose)
+
     # ------------------------------------------------------------------ compile, save, load
     def _compile(self, key: StepKey, args: tuple, kwargs: dict):
-        args = list(args)
-        rng = self._pages_range() if key.context_pages is None else None
-        if rng is not None:  # the example's table is a fresh view: the mark stays off the caller's tensors
-            args[2] = args[2][:, :]
-            torch._dynamo.mark_dynamic(args[2], 1, min=rng[0], max=rng[1])
+        args, kwargs = self._marked(key, args, kwargs)
         start = time.perf_counter()
         backend = _serializable(_backend_callable(self.backend, self.mode, self.options))
-        with _TRACING, self._inductor_cache(), torch.no_grad(), torch._dynamo.config.patch(
-                automatic_dynamic_shapes=False):
+        with _TRACING, self._inductor_cache(), torch.no_grad(), compile_regions(self.region_types), \
+                torch._dynamo.config.patch(automatic_dynamic_shapes=False), _size_oblivious():
             compiled = torch.compile(self.spec.dflash_step, backend=backend, fullgraph=True, dynamic=False, options={
                 "guard_filter_fn": torch.compiler.keep_portable_guards_unsafe})
             try:
@@ -421,7 +469,7 @@ class CompiledSteps:
                 # does not pickle): compile the key the ordinary way, kept in this process only.
                 self._say_once("unpackaged", "dflash: %s cannot be saved (%s: %s); its graphs stay in memory",
                                key, type(e).__name__, str(e).splitlines()[0][:200])
-                fn = _InProcessStep(self.spec, backend, rng)
+                fn = _InProcessStep(self, key, backend)
         self._fns[key] = fn
         self._checked.discard(key)
         self._record(key, "compiled", time.perf_counter() - start)
@@ -442,7 +490,7 @@ class CompiledSteps:
             return None
         p = next(self.spec.target.parameters())
         if self._folder is None or self._folder[0] != (p.device, p.dtype):
-            fp = fingerprint(self.spec, self.backend, self.mode, self.options)
+            fp = fingerprint(self.spec, self.backend, self.mode, self.options, self.regions)
             digest = hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:24]
             self._folder = ((p.device, p.dtype), self.cache_dir / digest, fp)
         return self._folder[1]
@@ -498,7 +546,7 @@ class CompiledSteps:
         if self.backend in ("dflash", "dflash_neuron"):
             from ..backends import inductor_options
 
-            return inductor_options({next(self.spec.target.parameters()).device.type}, self.options)
+            return inductor_options({next(self.spec.target.parameters()).device.type}, self.options, self.regions)
         return dict(self.options) if self.backend == "inductor" else {}
 
     def _unwrap(self, key: StepKey, blob: bytes) -> bytes:
@@ -525,7 +573,8 @@ class CompiledSteps:
             log.warning(msg, *args)
 
 
-def compiled_steps_for(spec, backend, *, cache_dir, on_miss, mode, options, fullgraph, dynamic, **kwargs):
+def compiled_steps_for(spec, backend, *, cache_dir, on_miss, mode, options, fullgraph, dynamic, regions=None,
+                       **kwargs):
     """``DFlashSpecWrapper.compile``'s arguments checked, then the wrapper's ``CompiledSteps``."""
     if not fullgraph:
         raise ValueError("the DFlash step compiles as one full graph: fullgraph=False is not supported")
@@ -538,4 +587,8 @@ def compiled_steps_for(spec, backend, *, cache_dir, on_miss, mode, options, full
         raise ValueError("on_miss='background' is not supported with a tensor-parallel target: each rank would "
                          "switch from the eager to the compiled step at its own time; use 'compile' or "
                          "precompile()")
-    return CompiledSteps(spec, backend, cache_dir=cache_dir, on_miss=on_miss, mode=mode, options=options)
+    if regions and spec.tp is not None:
+        raise ValueError("regions=True is not supported with a tensor-parallel target: its collectives run inside the "
+                         "decoder layers; leave regions unset")
+    return CompiledSteps(spec, backend, cache_dir=cache_dir, on_miss=on_miss, mode=mode, options=options,
+                         regions=regions)

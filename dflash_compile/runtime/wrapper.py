@@ -202,7 +202,8 @@ class DFlashSpecWrapper(nn.Module):
         self.close()
 
     def compile(self, backend="dflash", *, cache_dir=None, on_miss: str = "compile", mode=None,
-                options: dict | None = None, fullgraph: bool = True, dynamic=None, **kwargs) -> None:
+                options: dict | None = None, fullgraph: bool = True, dynamic=None, regions: bool | None = None,
+                **kwargs) -> None:
         """Run the step compiled by ``backend`` (a registered name such as ``"dflash"``, ``"dflash_neuron"``,
         ``"inductor"``, or a backend callable) from now on: one graph per step key — batch bucket, ``K``, greedy or
         sampled — serving every context length up to ``max_seq_len`` (``dflash_neuron``: one per context bucket
@@ -211,14 +212,17 @@ class DFlashSpecWrapper(nn.Module):
         else ``~/.cache/dflash_compile``), which later processes load from instead of compiling. ``on_miss``: what
         a step whose key has no graph yet does — ``"compile"`` it (default: the request waits), run the ``"eager"``
         step for that call, start compiling it on a ``"background"`` thread and run the eager step until it is
-        ready, or raise (``"error"``). ``mode``/``options`` go to the backend. See ``runtime/compiled_steps.py``.
+        ready, or raise (``"error"``). ``mode``/``options`` go to the backend. ``regions``: compile each distinct
+        decoder layer once and call it from every layer (``runtime/regions.py``); default: wherever a layer class
+        repeats, except for tensor-parallel targets. See ``runtime/compiled_steps.py``.
 
         The step is always one full graph (``fullgraph=False`` is refused) and its shapes are fixed by the key
         (``dynamic`` other than None/False is refused)."""
         from .compiled_steps import compiled_steps_for
 
         self.compiled_steps = compiled_steps_for(self, backend, cache_dir=cache_dir, on_miss=on_miss, mode=mode,
-                                                 options=options, fullgraph=fullgraph, dynamic=dynamic, **kwargs)
+                                                 options=options, fullgraph=fullgraph, dynamic=dynamic,
+                                                 regions=regions, **kwargs)
         self.compiled_steps.listeners.append(self.scheduler.graph_event)  # a step that compiled is not timed
 
     @property
