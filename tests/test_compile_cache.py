@@ -269,3 +269,34 @@ def test_a_step_dynamo_cannot_package_compiles_in_process(monkeypatch, caplog, t
     assert len(said) == 1 and "PackageError" in said[0]
     assert [how for _, how, _ in spec.compiled_steps.events] == ["compiled"]
     assert not list(tmp_path.rglob("*.pt2"))
+
+
+def test_no_step_compiles_inside_a_long_mixed_run():
+    """``generate`` readies every graph its batch may step through before the batch steps (``CompiledSteps.ready``):
+    the batch shrinking from 4 rows to 2 as calls finish, K moving under ``speculation="auto"``, sampled and
+    greedy rows sharing the batch. Not one compile (or load) happens on the scheduler's thread."""
+    import threading
+
+    target, spec = _pair(speculation="auto", max_batch_size=4, batch_buckets=(2, 4))
+    backend = CountingBackend()
+    spec.compile(backend=backend)
+    events = []
+    spec.compiled_steps.listeners.append(lambda key, how, s: events.append((threading.current_thread().name, how)))
+    greedy, sampled, late = random_prompts([5, 12], 3), random_prompts([7, 4], 4), random_prompts([9], 5)
+    out = {}
+    calls = [threading.Thread(target=lambda: out.__setitem__("greedy", spec.generate(greedy, max_new_tokens=60, pad_token_id=0))),
+             threading.Thread(target=lambda: out.__setitem__("sampled", spec.generate(
+                 sampled, max_new_tokens=12, do_sample=True, temperature=0.8, seed=1, pad_token_id=0)))]
+    for t in calls:
+        t.start()
+    out["late"] = spec.generate(late, max_new_tokens=30)  # joins while the others run, or alone after them
+    for t in calls:
+        t.join()
+    assert events and {how for _, how in events} == {"compiled"}
+    assert [name for name, _ in events if name == "dflash-scheduler"] == []
+    for prompts, name, new in ((greedy, "greedy", 60), (late, "late", 30)):
+        width = max(map(len, prompts))  # the output is left-padded to the longest prompt
+        for prompt, row in zip(prompts, out[name]):
+            assert row[width:].tolist() == _reference(target, prompt, new)
+    # at most (K >= 1, K 0, K 0 without a proposal) per bucket and sampling mode
+    assert len(spec.compiled_steps.compiled_keys()) <= 2 * 2 * 3

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +52,9 @@ class CacheManager:
         self.plan: TargetPlan | None = None
         self.cache: PagedKVCache | None = None
         self._stepping = False  # the recurrent mixers run token by token (until release)
+        # the scheduler's thread and a caller readying graphs (``CompiledSteps.ready``) may both ask for the pools
+        # first: one makes them (and checks the target over them), the other gets them
+        self._making = threading.RLock()
 
     @property
     def capacity_blocks(self) -> int:
@@ -59,6 +63,10 @@ class CacheManager:
     def pools(self, num_blocks: int | None = None) -> PagedKVCache:
         """The paged pools with at least ``num_blocks`` KV blocks (default: the capacity), on the target's device
         and dtype; grown in place, every block's contents kept, when more are needed while requests run."""
+        with self._making:
+            return self._pools(num_blocks)
+
+    def _pools(self, num_blocks: int | None) -> PagedKVCache:
         p = next(self.step.target.parameters())
         num_blocks = num_blocks or self.capacity_blocks
         c = self.cache

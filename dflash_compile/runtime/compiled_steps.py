@@ -338,21 +338,46 @@ class CompiledSteps:
     def precompile(self, batch_sizes, sampling, progress: bool = True) -> dict:
         """``DFlashSpecWrapper.precompile``: every (batch bucket, sampling mode, context bucket where graphs are
         static, ``(K, proposes)`` variant) graph made ready, with a progress bar: ``{str(key): (how, seconds)}``."""
-        from tqdm.auto import tqdm
-
         spec = self.spec
-        if sampling not in (False, True, "both"):
-            raise ValueError(f"sampling={sampling!r}: expected False, True or 'both'")
         bad = [b for b in (batch_sizes or []) if not isinstance(b, int) or not 1 <= b <= spec.max_batch_size]
         if bad:
             raise ValueError(f"batch_sizes {bad} are outside [1, max_batch_size={spec.max_batch_size}]")
         buckets = sorted({spec.batch_bucket(b) for b in batch_sizes}) if batch_sizes else list(spec.batch_buckets)
+        return self._prepare_all(self.keys_for(buckets, sampling), progress)
+
+    def keys_for(self, buckets, sampling) -> list[StepKey]:
+        """The keys of the graphs a batch in ``buckets`` steps through, greedy (``sampling=False``), sampled (True)
+        or ``"both"``: one per ``(K, proposes)`` variant the policy may run, fewer where a dynamic graph serves
+        several ``K``, and per context bucket where graphs are static."""
+        if sampling not in (False, True, "both"):
+            raise ValueError(f"sampling={sampling!r}: expected False, True or 'both'")
         modes = [False, True] if sampling == "both" else [bool(sampling)]
-        variants = spec.step_graphs()
         pages_of = [None] if self.serves_every_context else list(self.spec.context_buckets)
-        # dynamic graphs: many (bucket, K) pairs share one key
-        keys = list(dict.fromkeys(self.key(b, p or 2, m, k + 1, propose) for b in buckets for m in modes
-                                  for p in pages_of for k, propose in variants))
+        return list(dict.fromkeys(self.key(b, p or 2, m, k + 1, propose) for b in buckets for m in modes
+                                  for p in pages_of for k, propose in self.spec.step_graphs()))
+
+    def ready(self, rows: int, sampling) -> None:
+        """Before a batch of up to ``rows`` rows runs (a ``generate`` call, a server starting): the graphs of every
+        batch bucket it may fall to as rows finish, up to ``rows``' bucket, made ready as ``on_miss`` says — loaded
+        or compiled now, with a progress bar (``"compile"``), or started on background threads while the eager step
+        serves (``"background"``); ``"eager"`` and ``"error"`` leave a miss to the step. So no step compiles
+        after start-up."""
+        spec = self.spec
+        top = spec.batch_bucket(max(1, min(rows, spec.max_batch_size)))
+        missing = [k for k in self.keys_for([b for b in spec.batch_buckets if b <= top], sampling)
+                   if k not in self._fns and k not in self._background]
+        if not missing or self.on_miss in ("eager", "error"):
+            return
+        if self.on_miss == "compile":
+            self._prepare_all(missing, progress=True)
+            return
+        for key in missing:
+            if self._load(key) is None:
+                self._compile_in_background(key)
+
+    def _prepare_all(self, keys: list[StepKey], progress: bool) -> dict:
+        from tqdm.auto import tqdm
+
         report = {}
         with tqdm(keys, desc="dflash precompile", unit="graph", disable=not progress) as bar:
             for key in bar:

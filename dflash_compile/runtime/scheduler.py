@@ -76,6 +76,7 @@ class Scheduler:
         self._waiting: deque[Request] = deque()
         self._driver: threading.Thread | None = None
         self._joining = 0  # requests taken off the queue and not yet in the batch (being admitted)
+        self._announced = 0  # requests whose callers are readying graphs, not queued yet (``_ready_graphs``)
         self._ids = itertools.count()
         self.batch: Batch | None = None
         self.cache = None
@@ -98,13 +99,31 @@ class Scheduler:
         same step (prefilled together) as far as free rows allow."""
         requests = [Request(next(self._ids), list(p), args, g) for p, g in zip(prompts, generators, strict=True)]
         handles = [RequestHandle(r) for r in requests]
+        if self.spec.compiled_steps is not None:
+            self._ready_graphs(len(requests), args.do_sample)
         with self._lock:
+            self._announced -= len(requests)
             self._waiting.extend(requests)
             self._threads = torch.get_num_threads()  # the caller's: the driver runs the steps with as many
             if self._driver is None:
                 self._driver = threading.Thread(target=self._drive, name="dflash-scheduler")  # exit waits for it
                 self._driver.start()
         return handles
+
+    def _ready_graphs(self, rows: int, sampled: bool) -> None:
+        """Before ``rows`` new requests join: the graphs of every batch they may step in (``CompiledSteps.ready``),
+        up to the rows already in flight or being readied by other callers plus these, in both sampling modes
+        when others are in flight (the batch mixes them until they leave)."""
+        with self._lock:
+            others = self._announced + len(self._waiting) + self._joining + (
+                len(self.batch.rows) if self.batch is not None else 0)
+            self._announced += rows
+        try:
+            self.spec.compiled_steps.ready(others + rows, "both" if others else sampled)
+        except BaseException:
+            with self._lock:
+                self._announced -= rows
+            raise
 
     def in_flight(self) -> int:
         with self._lock:  # queued, joining and running

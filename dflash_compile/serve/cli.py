@@ -149,8 +149,9 @@ def load_engine(p: argparse.ArgumentParser, args):
         p.error(f"{'--speculative-config' if args.speculative_config else '--draft'}: {e}")
     if args.backend != "eager":
         spec.compile(backend=args.backend, on_miss="compile" if args.precompile else "background")
-        if args.precompile:
-            spec.precompile(sampling="both")
+        # every graph the server may step through, before the first request: compiled or loaded now
+        # (--precompile), or on background threads while the eager step serves
+        spec.compiled_steps.ready(spec.max_batch_size, "both")
     return Engine(spec, tokenizer, name, max_queued=args.max_queued, chat_template=args.chat_template,
                   metrics=Metrics(name, prefix=args.metrics_prefix))
 
