@@ -1,10 +1,14 @@
 """Where the seconds of a compile go: a cold and a warm start of the compiled DFlash step, phase by phase.
 
-    python benchmarks/bench_compile.py [--target DIR --draft DIR] [--backend dflash] [--batch 1] [--repeats 3]
+    python benchmarks/bench_compile.py [--target DIR --draft DIR | --pair tiny] [--backend dflash] [--batch 1]
+        [--speculation auto] [--regions auto|on|off] [--scenarios cold,warm,copied,background] [--repeats 3]
 
 Each scenario runs in a fresh process (``--worker``), one CPU thread, and times ``spec.compile()`` up to the first
-generated tokens (8 new tokens after an 8-token prompt), with the phases torch records (``compile_times``) plus the
-DFlash ones:
+generated tokens of ``--batch`` prompts (8 new tokens after 8-token prompts) on a wrapper of ``max_batch_size =
+--batch`` with the default speculation policy: the ``generate`` call readies every graph a batch of that size may
+step through (each batch bucket up to it, each K the policy may choose) before its first step, so the time covers
+every graph the default path needs for batch sizes 1 to ``--batch``. With the phases torch records
+(``compile_times``) plus the DFlash ones:
 
 - ``cold``: an empty compile cache (and so an empty Inductor cache inside it): dynamo traces the step, the DFlash
   passes and the lowering retrace run, AOTAutograd traces, Inductor generates and compiles C++ (Triton on CUDA),
@@ -62,11 +66,12 @@ def worker(args) -> dict:
 
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
     draft = DFlashDraftModel.from_pretrained(args.draft, dtype=torch.float32)
-    spec = DFlashSpecWrapper(target, draft, speculation="fixed", max_batch_size=args.batch,
+    spec = DFlashSpecWrapper(target, draft, speculation=args.speculation, max_batch_size=args.batch,
                              max_seq_len=args.max_seq_len)
     prompts = [[(7 * i + 13 * r) % 1000 + 10 for i in range(8)] for r in range(args.batch)]
+    regions = {"auto": None, "on": True, "off": False}[args.regions]
     start = time.perf_counter()
-    spec.compile(backend=args.backend, cache_dir=args.cache_dir, on_miss=args.on_miss)
+    spec.compile(backend=args.backend, cache_dir=args.cache_dir, on_miss=args.on_miss, regions=regions)
     spec.generate(prompts, max_new_tokens=8, pad_token_id=0)
     total = time.perf_counter() - start
     metrics = {k: sum(v) for k, v in compilation_time_metrics.items()}
@@ -81,7 +86,7 @@ def worker(args) -> dict:
 def run_worker(args, cache_dir: Path, on_miss: str = "compile") -> dict:
     cmd = [sys.executable, __file__, "--worker", "--target", args.target, "--draft", args.draft, "--backend",
            args.backend, "--batch", str(args.batch), "--max-seq-len", str(args.max_seq_len), "--cache-dir",
-           str(cache_dir), "--on-miss", on_miss]
+           str(cache_dir), "--on-miss", on_miss, "--speculation", args.speculation, "--regions", args.regions]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     env.pop("TORCHINDUCTOR_CACHE_DIR", None)
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
@@ -93,7 +98,15 @@ def main() -> None:
     p.add_argument("--target", default=None)
     p.add_argument("--draft", default=None)
     p.add_argument("--backend", default="dflash")
-    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--pair", choices=("default", "tiny"), default="default",
+                   help="without --target/--draft: the default (chat) pair or the tiny code pair")
+    p.add_argument("--batch", type=int, default=1, help="max_batch_size: every batch bucket up to it is readied")
+    p.add_argument("--speculation", default="auto", help='"auto" (the default path) or "fixed"')
+    p.add_argument("--regions", choices=("auto", "on", "off"), default="auto",
+                   help="the target's decoder layers as nested compile regions (auto: the wrapper's default)")
+    p.add_argument("--scenarios", default="cold,warm,copied,background",
+                   help="comma-separated subset of cold, warm, copied, background")
+    p.add_argument("--tag", default="", help="suffix of the result files")
     p.add_argument("--max-seq-len", type=int, default=2048)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3)
@@ -103,23 +116,31 @@ def main() -> None:
     p.add_argument("--on-miss", default="compile", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.target is None:
-        from dflash_compile.assets import default_pair_paths
+        from dflash_compile.assets import default_pair_paths, tiny_pair_paths
 
-        args.target, args.draft = (str(x) for x in default_pair_paths())
+        args.target, args.draft = (str(x) for x in (tiny_pair_paths() if args.pair == "tiny" else default_pair_paths()))
     if args.worker:
         print(json.dumps(worker(args)))
         return
 
-    runs: dict[str, list[dict]] = {"cold": [], "warm": [], "copied": [], "cold, background": []}
+    wanted = set(args.scenarios.split(","))
+    names = {"cold": "cold", "warm": "warm", "copied": "copied", "background": "cold, background"}
+    runs: dict[str, list[dict]] = {names[k]: [] for k in names if k in wanted}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.repeats):
             cache = Path(tmp) / f"cache{r}"
-            runs["cold"].append(run_worker(args, cache))
-            runs["warm"].append(run_worker(args, cache))
-            copied = Path(tmp) / f"copied{r}"
-            shutil.copytree(cache, copied, ignore=shutil.ignore_patterns("inductor"))
-            runs["copied"].append(run_worker(args, copied))
-            runs["cold, background"].append(run_worker(args, Path(tmp) / f"background{r}", "background"))
+            if wanted & {"cold", "warm", "copied"}:
+                cold = run_worker(args, cache)
+                if "cold" in wanted:
+                    runs["cold"].append(cold)
+            if "warm" in wanted:
+                runs["warm"].append(run_worker(args, cache))
+            if "copied" in wanted:
+                copied = Path(tmp) / f"copied{r}"
+                shutil.copytree(cache, copied, ignore=shutil.ignore_patterns("inductor"))
+                runs["copied"].append(run_worker(args, copied))
+            if "background" in wanted:
+                runs["cold, background"].append(run_worker(args, Path(tmp) / f"background{r}", "background"))
             print(f"round {r + 1}/{args.repeats}: " + ", ".join(
                 f"{k} {v[-1]['total_s']:.1f} s" for k, v in runs.items()), flush=True)
 
@@ -132,13 +153,17 @@ def main() -> None:
     import transformers
 
     result = {"backend": args.backend, "batch": args.batch, "max_seq_len": args.max_seq_len, "threads": args.threads,
+              "target": Path(args.target).name, "speculation": args.speculation, "regions": args.regions,
               "repeats": args.repeats, "torch": torch.__version__, "transformers": transformers.__version__,
               "scenarios": summary, "runs": runs}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_compile.json").write_text(json.dumps(result, indent=1))
+    (out / f"bench_compile{args.tag}.json").write_text(json.dumps(result, indent=1))
+    first = next(iter(summary))
+    graphs = [(k, how, round(sec, 1)) for k, how, sec in runs[first][0]["events"]]
     lines = [
-        f"# Compile: `spec.compile()` to the first tokens (backend `{args.backend}`, batch {args.batch}, "
+        f"# Compile: `spec.compile()` to the first tokens ({Path(args.target).name}, backend `{args.backend}`, "
+        f"batch sizes 1 to {args.batch}, speculation `{args.speculation}`, regions `{args.regions}`, "
         f"max_seq_len {args.max_seq_len}, {args.threads} thread(s), median of {args.repeats} fresh processes)",
         "",
         "Command: `python benchmarks/bench_compile.py " + " ".join(sys.argv[1:]) + "`",
@@ -146,15 +171,16 @@ def main() -> None:
         "| phase (s) | " + " | ".join(summary) + " |",
         "|---|" + "---|" * len(summary),
     ]
-    for ph in summary["cold"]["phases_s"]:
+    for ph in summary[first]["phases_s"]:
         lines.append(f"| {ph} | " + " | ".join(f"{summary[s]['phases_s'][ph]:.2f}" for s in summary) + " |")
     lines.append("| **compile() to first tokens** | " + " | ".join(
         f"**{summary[s]['total_s']:.2f}**" for s in summary) + " |")
     lines += ["", "Each run: " + "; ".join(f"{s} " + ", ".join(f"{t:.1f}" for t in summary[s]["totals_s"])
                                           for s in summary) + " s.",
               "", "The phases do not overlap; \"other\" is the wall time they do not cover (the prefill and the "
-              "first step, writing the saved graph)."]
-    (out / "bench_compile.md").write_text("\n".join(lines) + "\n")
+              "first step, writing the saved graph).", "",
+              f"Graphs ({first}, first run): " + "; ".join(f"{k}: {how} {sec} s" for k, how, sec in graphs)]
+    (out / f"bench_compile{args.tag}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

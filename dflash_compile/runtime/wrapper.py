@@ -205,10 +205,11 @@ class DFlashSpecWrapper(nn.Module):
                 options: dict | None = None, fullgraph: bool = True, dynamic=None, regions: bool | None = None,
                 **kwargs) -> None:
         """Run the step compiled by ``backend`` (a registered name such as ``"dflash"``, ``"dflash_neuron"``,
-        ``"inductor"``, or a backend callable) from now on: one graph per step key — batch bucket, ``K``, greedy or
-        sampled — serving every context length up to ``max_seq_len`` (``dflash_neuron``: one per context bucket
-        too, its graphs are static). Graphs are compiled when a key is first met, or up front by
-        :meth:`precompile`, and saved in the compile cache (``cache_dir``; default ``$DFLASH_COMPILE_CACHE_DIR``,
+        ``"inductor"``, or a backend callable) from now on: one graph per step key — batch bucket, greedy or
+        sampled, ``K = 0`` or every ``K >= 1`` — serving every context length up to ``max_seq_len``
+        (``dflash_neuron``: one per ``K`` and context bucket too, its graphs are static). A ``generate`` or
+        ``submit`` call readies the graphs its batch may step through before it steps (every bucket down to one
+        row), or :meth:`precompile` does it up front; they are saved in the compile cache (``cache_dir``; default ``$DFLASH_COMPILE_CACHE_DIR``,
         else ``~/.cache/dflash_compile``), which later processes load from instead of compiling. ``on_miss``: what
         a step whose key has no graph yet does — ``"compile"`` it (default: the request waits), run the ``"eager"``
         step for that call, start compiling it on a ``"background"`` thread and run the eager step until it is
@@ -250,8 +251,9 @@ class DFlashSpecWrapper(nn.Module):
         ``"both"``. Static-context backends (``dflash_neuron``) compile every context bucket too. A progress bar
         (tqdm) shows each key; returns ``{str(key): (how, seconds)}`` with ``how`` ``"compiled"``, ``"loaded"`` or
         ``"ready"`` (already in memory). Every step variant the speculation policy may use is compiled
-        (:meth:`step_graphs`: with ``speculation="auto"`` and a drafter of block size 8, six per batch bucket and
-        sampling mode). Call :meth:`compile` first."""
+        (:meth:`step_graphs`; with ``dflash``/``inductor`` one graph serves every ``K >= 1``: three per batch bucket
+        and sampling mode under ``speculation="auto"``). ``generate`` and ``submit`` ready the graphs their batch may
+        step through by themselves (``CompiledSteps.ready``). Call :meth:`compile` first."""
         if self.compiled_steps is None:
             raise RuntimeError("precompile() needs a backend: call spec.compile(backend=...) first")
         return self.compiled_steps.precompile(batch_sizes, sampling, progress)
