@@ -99,10 +99,12 @@ class Scheduler:
         same step (prefilled together) as far as free rows allow."""
         requests = [Request(next(self._ids), list(p), args, g) for p, g in zip(prompts, generators, strict=True)]
         handles = [RequestHandle(r) for r in requests]
+        announced = 0
         if self.spec.compiled_steps is not None:
             self._ready_graphs(len(requests), args.do_sample)
+            announced = len(requests)
         with self._lock:
-            self._announced -= len(requests)
+            self._announced -= announced
             self._waiting.extend(requests)
             self._threads = torch.get_num_threads()  # the caller's: the driver runs the steps with as many
             if self._driver is None:
