@@ -54,4 +54,4 @@ def test_one_graph_per_bucket():
     spec.generate(prompts[:2], max_new_tokens=6, pad_token_id=PAD)
     spec.generate(prompts[:3], max_new_tokens=6, pad_token_id=PAD)
     spec.generate(prompts, max_new_tokens=6, pad_token_id=PAD)
-    assert sorted(backend.graphs) == [1, 2, 4]  # 3 requests run in the 4 bucket; no dynamic-shape graph
+    assert sorted(backend.graphs) == [1, 2, 4]  # 3 requests run in the 4 bucket; the batch is not a dynamic size

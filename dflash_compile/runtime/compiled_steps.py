@@ -58,8 +58,8 @@ ON_MISS = ("compile", "eager", "background", "error")
 STATIC_CONTEXT_BACKENDS = ("dflash_neuron",)
 _MAGIC = b"DFLASHSTEP1\n"
 _TRACING = threading.Lock()  # dynamo traces one graph at a time, process-wide
-# A dynamic size is traced for every value in its range, 1 included (a batch of one, a block of one token at K = 0):
-# without this, dynamo would specialise a size it meets as 1 and guard a size it meets as more against 1.
+# Sizes computed from a dynamic one are traced for every value they may take: the drafts of a block of K + 1 tokens
+# (``block[:, 1:]``) are a single column at K = 1, which dynamo would otherwise specialise or guard against 1.
 def _size_oblivious():
     return torch.fx.experimental._config.patch(backed_size_oblivious=True)
 
@@ -76,9 +76,10 @@ def default_cache_dir() -> Path:
 class StepKey:
     """What tells one step graph from another: ``batch`` rows, ``verify_len`` tokens per row (``K + 1``), greedy or
     ``sampled``, ``context_pages`` and whether it ``propose``s the next block (a step before a plain ``K = 0`` step
-    does not). None for a size: the graph serves every value of it (a dynamic dimension)."""
+    does not). None for a size: the graph serves every value of it (a dynamic dimension: ``K`` from 1, the context
+    from 2 pages)."""
 
-    batch: int | None
+    batch: int
     verify_len: int | None
     sampled: bool
     context_pages: int | None = None
@@ -97,9 +98,8 @@ class StepKey:
     def __str__(self) -> str:
         ctx = "every context" if self.context_pages is None else f"{self.context_pages} pages"
         plain = "" if self.propose else " (no proposal)"
-        batch = "every batch" if self.batch is None else f"batch {self.batch}"
         k = "every K" if self.verify_len is None else f"K {self.verify_len - 1}"
-        return f"{batch}, {k}{plain}, {'sampled' if self.sampled else 'greedy'}, {ctx}"
+        return f"batch {self.batch}, {k}{plain}, {'sampled' if self.sampled else 'greedy'}, {ctx}"
 
 
 @functools.cache
@@ -287,34 +287,28 @@ class CompiledSteps:
         return self.dynamic_context and self._pages_range() is not None
 
     def key(self, batch: int, context_pages: int, sampled: bool, verify_len: int, propose: bool = True) -> StepKey:
-        """The key of a step of these sizes. Where graphs are dynamic (``serves_every_context``), one graph serves
-        every context length and every ``K >= 1``: the key keeps the batch bucket, greedy or sampled, and ``K``
-        only where it is 0 (a one-token block, with or without a proposal: HF attention branches on a query length
-        of 1, so a block length from 1 up would not be one graph)."""
+        """The key of a step of these sizes. Where graphs are dynamic (``serves_every_context``), one graph per batch
+        bucket and sampling mode serves every context length and every ``K >= 1``: the key keeps ``K`` only where it
+        is 0 (HF attention branches on a query length of 1, so a block length that may be 1 is not one graph).
+        Static ``K`` stays for tensor-parallel steps (not tried dynamic) and for targets with recurrent layers
+        (they run the block token by token, ``recurrent.py``)."""
         if not self.serves_every_context:
             return StepKey(batch, verify_len, sampled, context_pages, propose)
-        return StepKey(batch, None if propose and verify_len > 1 else verify_len, sampled, None, propose)
+        spec = self.spec
+        open_k = (propose and verify_len > 1 and spec.dflash_step.block_size > 2 and spec.tp is None
+                  and not spec.kv_cache().has_states)
+        return StepKey(batch, None if open_k else verify_len, sampled, None, propose)
 
     def _marked(self, key: StepKey, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Fresh views of ``forward``'s arguments (the marks stay off the caller's tensors) with the sizes ``key``
-        leaves open marked dynamic: the table's pages, the batch of every per-row input, the block's length."""
+        leaves open marked dynamic: the table's pages, the block's length."""
         args, kwargs = list(args), dict(kwargs)
         dims = []  # (tensor, dim, min, max)
         if key.context_pages is None and self._pages_range() is not None:
             args[2] = args[2][:]
             dims.append((args[2], 1, *self._pages_range()))
-        if key.batch is None:
-            for i in (0, 1, 2, 3):
-                args[i] = args[i][:]
-                dims.append((args[i], 0, 1, self.spec.max_batch_size))
-            if len(args) > 6:
-                args[6] = type(args[6])(*(t[:] for t in args[6]))
-                dims += [(t, 0, 1, self.spec.max_batch_size) for t in args[6]]
-            if kwargs.get("state_slots") is not None:
-                kwargs["state_slots"] = kwargs["state_slots"][:]
-                dims.append((kwargs["state_slots"], 0, 1, self.spec.max_batch_size))
         if key.verify_len is None:
-            args[0] = args[0] if key.batch is None else args[0][:]  # (a view already when the batch is open)
+            args[0] = args[0][:]
             dims.append((args[0], 1, 2, self.spec.dflash_step.block_size))
         for t, dim, lo, hi in dims:
             torch._dynamo.mark_dynamic(t, dim, min=lo, max=hi)
@@ -471,12 +465,12 @@ class CompiledSteps:
         return how, seconds
 
     def _example(self, key: StepKey) -> tuple[tuple, dict]:
-        """Step inputs of ``key``'s shapes to trace it with: for a size it leaves open, the largest the wrapper runs
-        (the size Inductor tunes its code for)."""
+        """Step inputs of ``key``'s shapes to trace it with: for ``K``, when the key leaves it open, the largest the
+        wrapper runs (the size Inductor tunes its code for)."""
         spec = self.spec
         K = (key.verify_len or spec.verify_len) - 1
-        return spec.dflash_step.example_inputs(spec.kv_cache(), key.batch or spec.max_batch_size,
-                                               key.context_pages or 2, key.sampled, K, key.propose)
+        return spec.dflash_step.example_inputs(spec.kv_cache(), key.batch, key.context_pages or 2, key.sampled, K,
+                                               key.propose)
 
     # ------------------------------------------------------------------ compile, save, load
     def _compile(self, key: StepKey, args: tuple, kwargs: dict):
@@ -533,6 +527,12 @@ class CompiledSteps:
             payload = AOTCompiledFunction.serialize(fn, external_data={"step": self.spec.dflash_step}).serialized_data
         except _NotSaveable as e:
             self._say_once("unsaveable", "dflash: the step graphs of backend %r stay in memory (%s)", self.backend, e)
+            return
+        except (AttributeError, TypeError, pickle.PicklingError) as e:
+            # torch's own artefact would not pickle: backend "eager"'s graph module with a nested compile region
+            # (its invoke_subgraph subgraph holds a WeakValueDictionary, torch 2.13)
+            self._say_once("unpicklable", "dflash: the step graphs of backend %r stay in memory (%s: %s)", self.backend,
+                           type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
             return
         header = self._header(key)
         blob = b"".join([_MAGIC, len(header).to_bytes(4, "little"), header, hashlib.sha256(payload).digest(), payload])
