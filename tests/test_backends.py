@@ -84,7 +84,7 @@ def test_step_after_passes_keeps_only_dflash_ops_for_the_hot_patterns():
         return graphs[-1]  # run the passed pre-dispatch graph as is
 
     torch._dynamo.reset()
-    spec.compile(backend=capture, fullgraph=True)
+    spec.compile(backend=capture, fullgraph=True, regions=False)  # the layers inline (regions: the test below)
     ref = DFlashSpecWrapper(target, draft, 3, max_batch_size=2, batch_buckets=(2,), max_seq_len=32, page_size=8)
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
     assert torch.equal(spec.generate(prompts, max_new_tokens=8, pad_token_id=VOCAB - 2),
@@ -99,6 +99,53 @@ def test_step_after_passes_keeps_only_dflash_ops_for_the_hot_patterns():
     gone = ("scaled_dot_product", "index_put", "aten.index.", "_unsafe_index")
     left = sorted(k for k in census if any(g in k for g in gone))
     assert not left, left
+
+
+def test_repeated_target_layers_compile_as_one_region_with_the_passes_inside():
+    # With regions (the default) the step graph calls one subgraph from every target layer; the passes run inside
+    # it (the pool write is replaced there, once for all layers) and on the step around it (the drafter's ops).
+    from torch._dynamo.utils import counters
+
+    from dflash_compile.passes import graph_modules
+
+    n_target, n_draft = 4, 2
+    target = tiny_target("qwen3", num_hidden_layers=n_target)
+    draft = DFlashDraftModel.from_target(target, num_layers=n_draft, block_size=4, target_layer_ids=[0, 3], seed=0)
+    kw = dict(max_batch_size=2, batch_buckets=(2,), max_seq_len=32, page_size=8)
+    spec = DFlashSpecWrapper(target, draft, 3, **kw)
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(dflash_passes(gm, example_inputs))
+        return graphs[-1]
+
+    torch._dynamo.reset()
+    counters.clear()
+    spec.compile(backend=capture, fullgraph=True)
+    assert spec.compiled_steps.regions and spec.compiled_steps.region_types == [type(target.model.layers[0])]
+    ref = DFlashSpecWrapper(target, draft, 3, **kw)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
+    assert torch.equal(spec.generate(prompts, max_new_tokens=8, pad_token_id=VOCAB - 2),
+                       ref.generate(prompts, max_new_tokens=8, pad_token_id=VOCAB - 2))
+    assert "forward" not in vars(type(target.model.layers[0])) or not hasattr(
+        type(target.model.layers[0]).forward, "__marked_compile_region_fn__")  # the mark is gone after tracing
+    assert len(graphs) == 1
+    top, *subs = graph_modules(graphs[0])
+    calls = top.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph)
+    assert len(calls) == n_target and len(subs) == 1 and {n.args[0].target for n in calls} == {"repeated_subgraph0"}
+    assert counters["dflash"]["region_calls"] == n_target and counters["dflash"]["region_subgraphs"] == 1
+    assert counters["dflash"]["paged_kv_write"] == 2  # one inside the region (every layer's), one the drafter's
+
+    def dflash_ops(gm):
+        return Counter(str(n.target) for n in gm.graph.nodes if str(n.target).startswith("dflash."))
+
+    assert dflash_ops(subs[0]) == {"dflash.paged_kv_write.default": 1}
+    assert dflash_ops(top) == {"dflash.fused_kv_proj.default": 1, "dflash.paged_kv_write.default": 1,
+                               "dflash.block_attention.default": n_draft}
+    # the target's mask enters the region as an input, so its attention stays SDPA over the gathered pages there
+    assert [str(n.target) for n in subs[0].graph.nodes if "scaled_dot_product" in str(n.target)] == [
+        "aten.scaled_dot_product_attention.default"]
+    assert not any("index_put" in str(n.target) for m in (top, subs[0]) for n in m.graph.nodes)
 
 
 def test_tensor_subclass_inputs_compile_over_their_plain_parts():
