@@ -121,7 +121,7 @@ def test_repeated_target_layers_compile_as_one_region_with_the_passes_inside():
 
     torch._dynamo.reset()
     counters.clear()
-    spec.compile(backend=capture, fullgraph=True)
+    spec.compile(backend=capture, fullgraph=True, regions=True)  # (by default only stacks of 16 layers and more)
     assert spec.compiled_steps.regions and spec.compiled_steps.region_types == [type(target.model.layers[0])]
     ref = DFlashSpecWrapper(target, draft, 3, **kw)
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]

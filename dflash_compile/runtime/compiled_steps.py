@@ -49,7 +49,7 @@ from pathlib import Path
 import torch
 
 from ..primitives.slots import pages
-from .regions import compile_regions, repeated_layer_types
+from .regions import DEFAULT_MIN_REPEATS, compile_regions, repeated_layer_types
 
 log = logging.getLogger(__name__)
 
@@ -256,11 +256,7 @@ class CompiledSteps:
         self.spec = spec
         self.backend, self.mode, self.options = backend, mode, dict(options or {})
         self.on_miss = on_miss
-        # regional compilation (``regions.py``): by default wherever a layer class repeats, except tensor-parallel
-        # targets (their collectives run inside the layers, and the collective graph settings are the top graph's)
-        kinds = repeated_layer_types(spec.target)
-        self.regions = bool(kinds) and spec.tp is None if regions is None else bool(regions)
-        self.region_types = kinds if self.regions else []
+        self._regions_arg = regions
         self.dynamic_context = (backend not in STATIC_CONTEXT_BACKENDS) if dynamic_context is None else dynamic_context
         self.cache_dir = None if not isinstance(backend, str) else Path(cache_dir) if cache_dir else default_cache_dir()
         # Inductor's own cache (the compiled C++/Triton binaries a saved graph loads) lives in the compile cache too
@@ -279,6 +275,21 @@ class CompiledSteps:
         # Dynamo pickles the wrapper's state with a saved graph's guards; the compiled graphs this object holds (and
         # their guard managers) must not go with it.
         return (_detached, ())
+
+    @functools.cached_property
+    def region_types(self) -> list[type]:
+        """The target's layer classes compiled as nested compile regions (``regions.py``). ``regions=True``: every
+        repeated class; None (default): classes repeated ``DEFAULT_MIN_REPEATS`` times, except in tensor-parallel
+        targets (their collectives run inside the layers; the collective graph settings are the top graph's) and
+        targets with recurrent layers (not tried as regions); False: none."""
+        spec, arg = self.spec, self._regions_arg
+        if arg is False or (arg is None and (spec.tp is not None or spec.kv_cache().has_states)):
+            return []
+        return repeated_layer_types(spec.target, min_repeats=2 if arg else DEFAULT_MIN_REPEATS)
+
+    @property
+    def regions(self) -> bool:
+        return bool(self.region_types)
 
     # ------------------------------------------------------------------ keys
     @property

@@ -21,12 +21,15 @@ import torch
 from torch import nn
 
 _MISSING = object()
-#: A class repeated this many times in one ``nn.ModuleList`` is compiled as a region.
-MIN_REPEATS = 2
+#: ``regions=None`` (the default) compiles a layer class as a region where it repeats this many times: real decoder
+#: stacks (16 to 80 layers; SmolLM2-135M's 30: its cold step 114 s inline, 49 s as a region), not the few layers of
+#: small targets, whose inline graph compiles in seconds anyway and runs faster (C++ wrapper, the target's
+#: attention fused; ``docs/compile.md``).
+DEFAULT_MIN_REPEATS = 16
 
 
-def repeated_layer_types(*modules: nn.Module) -> list[type]:
-    """The classes that occur at least ``MIN_REPEATS`` times in one ``nn.ModuleList`` of ``modules`` (the decoder
+def repeated_layer_types(*modules: nn.Module, min_repeats: int = 2) -> list[type]:
+    """The classes that occur at least ``min_repeats`` times in one ``nn.ModuleList`` of ``modules`` (the decoder
     layers), in the order first met."""
     found: dict[type, None] = {}
     for module in modules:
@@ -35,7 +38,7 @@ def repeated_layer_types(*modules: nn.Module) -> list[type]:
                 continue
             kinds = [type(child) for child in sub]
             for kind in kinds:
-                if kinds.count(kind) >= MIN_REPEATS:
+                if kinds.count(kind) >= min_repeats:
                     found.setdefault(kind, None)
     return list(found)
 

@@ -214,8 +214,9 @@ class DFlashSpecWrapper(nn.Module):
         a step whose key has no graph yet does — ``"compile"`` it (default: the request waits), run the ``"eager"``
         step for that call, start compiling it on a ``"background"`` thread and run the eager step until it is
         ready, or raise (``"error"``). ``mode``/``options`` go to the backend. ``regions``: compile each distinct
-        decoder layer once and call it from every layer (``runtime/regions.py``); default: wherever a layer class
-        repeats, except for tensor-parallel targets. See ``runtime/compiled_steps.py``.
+        decoder layer once and call it from every layer (``runtime/regions.py``); default (None): for stacks of 16
+        or more layers of one class, except tensor-parallel targets and targets with recurrent layers. See
+        ``runtime/compiled_steps.py``.
 
         The step is always one full graph (``fullgraph=False`` is refused) and its shapes are fixed by the key
         (``dynamic`` other than None/False is refused)."""
