@@ -26,11 +26,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_step import step_inputs  # noqa: E402
 
 from dflash_compile import DFlashDraftModel, DFlashSpecWrapper  # noqa: E402
-from dflash_compile.runtime.compiled_steps import CompiledSteps, StepKey  # noqa: E402
+from dflash_compile.runtime.compiled_steps import CompiledSteps  # noqa: E402
+from dflash_compile.runtime.step_keys import StepKey, StepKeys  # noqa: E402
 
 
-class PerKSteps(CompiledSteps):
-    """The compiled steps keyed as before one graph served every K: the block length is part of the key."""
+class PerKKeys(StepKeys):
+    """Step keys as before one graph served every K: the block length is part of the key."""
 
     def key(self, batch, context_pages, sampled, verify_len, propose=True):
         key = super().key(batch, context_pages, sampled, verify_len, propose)
@@ -62,7 +63,8 @@ def main(argv=None):
             spec = DFlashSpecWrapper(target, draft, **kw)
             spec.compile(backend="dflash", cache_dir=Path(tmp) / name.replace(" ", "-"))
             if name == "graph per K":
-                spec.compiled_steps = PerKSteps(spec, "dflash", cache_dir=Path(tmp) / "per-k")
+                steps = spec.compiled_steps = CompiledSteps(spec, "dflash", cache_dir=Path(tmp) / "per-k")
+                steps.keys = PerKKeys(spec, steps.dynamic_context, None)
             specs[name] = (spec, step_inputs(spec, args.batch, args.prompt_len))
         calls = {}
         with torch.no_grad():

@@ -122,7 +122,7 @@ def test_repeated_target_layers_compile_as_one_region_with_the_passes_inside():
     torch._dynamo.reset()
     counters.clear()
     spec.compile(backend=capture, fullgraph=True, regions=True)  # (by default only stacks of 16 layers and more)
-    assert spec.compiled_steps.regions and spec.compiled_steps.region_types == [type(target.model.layers[0])]
+    assert spec.compiled_steps.keys.regions and spec.compiled_steps.keys.region_types == [type(target.model.layers[0])]
     ref = DFlashSpecWrapper(target, draft, 3, **kw)
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
     assert torch.equal(spec.generate(prompts, max_new_tokens=8, pad_token_id=VOCAB - 2),

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from dflash_compile import DFlashDraftModel, DFlashSpecWrapper
-from dflash_compile.runtime.compiled_steps import _MAGIC, StepKey
+from dflash_compile.runtime.compiled_steps import _MAGIC
+from dflash_compile.runtime.step_keys import StepKey
 from tiny_models import VOCAB, random_prompts, tiny_target
 
 PAD = VOCAB - 2
@@ -61,8 +62,8 @@ def test_one_graph_serves_every_context_length():
 def test_static_context_backends_keep_their_buckets():
     _, spec = _pair(context_buckets=(32, 64))
     spec.compile(backend="dflash_neuron", on_miss="eager")
-    assert spec.compiled_steps.key(1, 4, False, spec.verify_len) == StepKey(1, spec.verify_len, False, 4)
-    plain = spec.compiled_steps.key(1, 4, False, 1, propose=False)  # K = 0 without a proposal: its own graph and file
+    assert spec.compiled_steps.keys.key(1, 4, False, spec.verify_len) == StepKey(1, spec.verify_len, False, 4)
+    plain = spec.compiled_steps.keys.key(1, 4, False, 1, propose=False)  # K = 0 without a proposal: its own graph and file
     assert plain == StepKey(1, 1, False, 4, False) and plain.filename != StepKey(1, 1, False, 4).filename
     assert [spec.context_bucket(n) for n in (1, 40, 100)] == [4, 8, 20]
 

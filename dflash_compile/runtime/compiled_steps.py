@@ -48,8 +48,8 @@ from pathlib import Path
 
 import torch
 
-from ..primitives.slots import pages
-from .regions import DEFAULT_MIN_REPEATS, compile_regions, repeated_layer_types
+from .regions import compile_regions
+from .step_keys import StepKey, StepKeys, size_oblivious
 
 log = logging.getLogger(__name__)
 
@@ -58,48 +58,12 @@ ON_MISS = ("compile", "eager", "background", "error")
 STATIC_CONTEXT_BACKENDS = ("dflash_neuron",)
 _MAGIC = b"DFLASHSTEP1\n"
 _TRACING = threading.Lock()  # dynamo traces one graph at a time, process-wide
-# Sizes computed from a dynamic one are traced for every value they may take: the drafts of a block of K + 1 tokens
-# (``block[:, 1:]``) are a single column at K = 1, which dynamo would otherwise specialise or guard against 1.
-def _size_oblivious():
-    return torch.fx.experimental._config.patch(backed_size_oblivious=True)
-
-
 def default_cache_dir() -> Path:
     """``$DFLASH_COMPILE_CACHE_DIR``, else ``$XDG_CACHE_HOME/dflash_compile``, else ``~/.cache/dflash_compile``."""
     if os.environ.get(CACHE_DIR_ENV):
         return Path(os.environ[CACHE_DIR_ENV])
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "dflash_compile"
-
-
-@dataclasses.dataclass(frozen=True)
-class StepKey:
-    """What tells one step graph from another: ``batch`` rows, ``verify_len`` tokens per row (``K + 1``), greedy or
-    ``sampled``, ``context_pages`` and whether it ``propose``s the next block (a step before a plain ``K = 0`` step
-    does not). None for a size: the graph serves every value of it (a dynamic dimension: ``K`` from 1, the context
-    from 2 pages)."""
-
-    batch: int
-    verify_len: int | None
-    sampled: bool
-    context_pages: int | None = None
-    propose: bool = True
-
-    def sort_key(self) -> tuple:
-        return tuple(-1 if v is None else v for v in dataclasses.astuple(self))
-
-    @property
-    def filename(self) -> str:
-        size = lambda v: "any" if v is None else str(v)  # noqa: E731
-        plain = "" if self.propose else "-noprop"
-        return (f"step-b{size(self.batch)}-v{size(self.verify_len)}{plain}-"
-                f"{'sampled' if self.sampled else 'greedy'}-ctx{size(self.context_pages)}.pt2")
-
-    def __str__(self) -> str:
-        ctx = "every context" if self.context_pages is None else f"{self.context_pages} pages"
-        plain = "" if self.propose else " (no proposal)"
-        k = "every K" if self.verify_len is None else f"K {self.verify_len - 1}"
-        return f"batch {self.batch}, {k}{plain}, {'sampled' if self.sampled else 'greedy'}, {ctx}"
 
 
 @functools.cache
@@ -223,9 +187,9 @@ class _InProcessStep:
         pass
 
     def __call__(self, *args, **kwargs):
-        args, kwargs = self._steps._marked(self._key, args, kwargs)  # the sizes the capture left open, again
+        args, kwargs = self._steps.keys.marked(self._key, args, kwargs)  # the sizes the capture left open, again
         cfg = torch._dynamo.config  # every wrapper shares forward's code object, hence one dynamo cache for all keys
-        with _TRACING, compile_regions(self._steps.region_types), _size_oblivious(), cfg.patch(
+        with _TRACING, compile_regions(self._steps.keys.region_types), size_oblivious(), cfg.patch(
                 automatic_dynamic_shapes=False, recompile_limit=max(cfg.recompile_limit, cfg.accumulated_recompile_limit)):
             return self._fn(*args, **kwargs)
 
@@ -256,7 +220,7 @@ class CompiledSteps:
         self.spec = spec
         self.backend, self.mode, self.options = backend, mode, dict(options or {})
         self.on_miss = on_miss
-        self._regions_arg = regions
+        self.keys = StepKeys(spec, self.dynamic_context, regions)
         self.dynamic_context = (backend not in STATIC_CONTEXT_BACKENDS) if dynamic_context is None else dynamic_context
         self.cache_dir = None if not isinstance(backend, str) else Path(cache_dir) if cache_dir else default_cache_dir()
         # Inductor's own cache (the compiled C++/Triton binaries a saved graph loads) lives in the compile cache too
@@ -276,60 +240,6 @@ class CompiledSteps:
         # their guard managers) must not go with it.
         return (_detached, ())
 
-    @functools.cached_property
-    def region_types(self) -> list[type]:
-        """The target's layer classes compiled as nested compile regions (``regions.py``). ``regions=True``: every
-        repeated class; None (default): classes repeated ``DEFAULT_MIN_REPEATS`` times, except in tensor-parallel
-        targets (their collectives run inside the layers; the collective graph settings are the top graph's) and
-        targets with recurrent layers (not tried as regions); False: none."""
-        spec, arg = self.spec, self._regions_arg
-        if arg is False or (arg is None and (spec.tp is not None or spec.kv_cache().has_states)):
-            return []
-        return repeated_layer_types(spec.target, min_repeats=2 if arg else DEFAULT_MIN_REPEATS)
-
-    @property
-    def regions(self) -> bool:
-        return bool(self.region_types)
-
-    # ------------------------------------------------------------------ keys
-    @property
-    def serves_every_context(self) -> bool:
-        """Whether one graph per key serves every context length (else the context pages are part of the key)."""
-        return self.dynamic_context and self._pages_range() is not None
-
-    def key(self, batch: int, context_pages: int, sampled: bool, verify_len: int, propose: bool = True) -> StepKey:
-        """The key of a step of these sizes. Where graphs are dynamic (``serves_every_context``), one graph per batch
-        bucket and sampling mode serves every context length and every ``K >= 1``: the key keeps ``K`` only where it
-        is 0 (HF attention branches on a query length of 1, so a block length that may be 1 is not one graph).
-        Static ``K`` stays for tensor-parallel steps (not tried dynamic) and for targets with recurrent layers
-        (they run the block token by token, ``recurrent.py``)."""
-        if not self.serves_every_context:
-            return StepKey(batch, verify_len, sampled, context_pages, propose)
-        spec = self.spec
-        open_k = (propose and verify_len > 1 and spec.dflash_step.block_size > 2 and spec.tp is None
-                  and not spec.kv_cache().has_states)
-        return StepKey(batch, None if open_k else verify_len, sampled, None, propose)
-
-    def _marked(self, key: StepKey, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """Fresh views of ``forward``'s arguments (the marks stay off the caller's tensors) with the sizes ``key``
-        leaves open marked dynamic: the table's pages, the block's length."""
-        args, kwargs = list(args), dict(kwargs)
-        dims = []  # (tensor, dim, min, max)
-        if key.context_pages is None and self._pages_range() is not None:
-            args[2] = args[2][:]
-            dims.append((args[2], 1, *self._pages_range()))
-        if key.verify_len is None:
-            args[0] = args[0][:]
-            dims.append((args[0], 1, 2, self.spec.dflash_step.block_size))
-        for t, dim, lo, hi in dims:
-            torch._dynamo.mark_dynamic(t, dim, min=lo, max=hi)
-        return tuple(args), kwargs
-
-    def _pages_range(self) -> tuple[int, int] | None:
-        """The dynamic page dimension's range, or None where the capacity is too small for one."""
-        full = pages(self.spec.max_seq_len, self.spec.page_size)
-        return (2, full) if full >= 3 else None
-
     def compiled_keys(self) -> list[StepKey]:
         return sorted(self._fns, key=StepKey.sort_key)
 
@@ -337,7 +247,7 @@ class CompiledSteps:
     def step(self, args: tuple, kwargs: dict, propose: bool):
         """One step (``DFlashStep.forward``'s arguments) through the graph of its key."""
         block, block_tables = args[0], args[2]
-        key = self.key(block.shape[0], block_tables.shape[1], len(args) > 6, block.shape[1], propose)
+        key = self.keys.key(block.shape[0], block_tables.shape[1], len(args) > 6, block.shape[1], propose)
         return self.run(key, args, kwargs)
 
     def precompile(self, batch_sizes, sampling, progress: bool = True) -> dict:
@@ -348,18 +258,7 @@ class CompiledSteps:
         if bad:
             raise ValueError(f"batch_sizes {bad} are outside [1, max_batch_size={spec.max_batch_size}]")
         buckets = sorted({spec.batch_bucket(b) for b in batch_sizes}) if batch_sizes else list(spec.batch_buckets)
-        return self._prepare_all(self.keys_for(buckets, sampling), progress)
-
-    def keys_for(self, buckets, sampling) -> list[StepKey]:
-        """The keys of the graphs a batch in ``buckets`` steps through, greedy (``sampling=False``), sampled (True)
-        or ``"both"``: one per ``(K, proposes)`` variant the policy may run, fewer where a dynamic graph serves
-        several ``K``, and per context bucket where graphs are static."""
-        if sampling not in (False, True, "both"):
-            raise ValueError(f"sampling={sampling!r}: expected False, True or 'both'")
-        modes = [False, True] if sampling == "both" else [bool(sampling)]
-        pages_of = [None] if self.serves_every_context else list(self.spec.context_buckets)
-        return list(dict.fromkeys(self.key(b, p or 2, m, k + 1, propose) for b in buckets for m in modes
-                                  for p in pages_of for k, propose in self.spec.step_graphs()))
+        return self._prepare_all(self.keys.keys_for(buckets, sampling), progress)
 
     def ready(self, rows: int, sampling) -> None:
         """Before a batch of up to ``rows`` rows runs (a ``generate`` call, a server starting): the graphs of every
@@ -369,7 +268,7 @@ class CompiledSteps:
         after start-up."""
         spec = self.spec
         top = spec.batch_bucket(max(1, min(rows, spec.max_batch_size)))
-        missing = [k for k in self.keys_for([b for b in spec.batch_buckets if b <= top], sampling)
+        missing = [k for k in self.keys.keys_for([b for b in spec.batch_buckets if b <= top], sampling)
                    if k not in self._fns and k not in self._background]
         if not missing or self.on_miss in ("eager", "error"):
             return
@@ -387,7 +286,7 @@ class CompiledSteps:
         with tqdm(keys, desc="dflash precompile", unit="graph", disable=not progress) as bar:
             for key in bar:
                 bar.set_postfix_str(str(key))
-                args, kwargs = self._example(key)
+                args, kwargs = self.keys.example(key)
                 how, seconds = self.prepare(key, args, kwargs)
                 report[str(key)] = (how, round(seconds, 2))
                 bar.write(f"{key}: {how} in {seconds:.1f} s")
@@ -440,7 +339,7 @@ class CompiledSteps:
         """Compile ``key`` on a daemon thread from inputs of its shapes; the step runs eagerly until it is ready.
         Dynamo traces on fake tensors (it reads the pools' shapes, never their contents), so the eager steps the
         host loop runs meanwhile are untouched."""
-        args, kwargs = self._example(key)
+        args, kwargs = self.keys.example(key)
 
         def work():
             try:
@@ -475,21 +374,13 @@ class CompiledSteps:
         _, how, seconds = next(e for e in reversed(self.events) if e[0] == key)
         return how, seconds
 
-    def _example(self, key: StepKey) -> tuple[tuple, dict]:
-        """Step inputs of ``key``'s shapes to trace it with: for ``K``, when the key leaves it open, the largest the
-        wrapper runs (the size Inductor tunes its code for)."""
-        spec = self.spec
-        K = (key.verify_len or spec.verify_len) - 1
-        return spec.dflash_step.example_inputs(spec.kv_cache(), key.batch, key.context_pages or 2, key.sampled, K,
-                                               key.propose)
-
     # ------------------------------------------------------------------ compile, save, load
     def _compile(self, key: StepKey, args: tuple, kwargs: dict):
-        args, kwargs = self._marked(key, args, kwargs)
+        args, kwargs = self.keys.marked(key, args, kwargs)
         start = time.perf_counter()
         backend = _serializable(_backend_callable(self.backend, self.mode, self.options))
-        with _TRACING, self._inductor_cache(), torch.no_grad(), compile_regions(self.region_types), \
-                torch._dynamo.config.patch(automatic_dynamic_shapes=False), _size_oblivious():
+        with _TRACING, self._inductor_cache(), torch.no_grad(), compile_regions(self.keys.region_types), \
+                torch._dynamo.config.patch(automatic_dynamic_shapes=False), size_oblivious():
             compiled = torch.compile(self.spec.dflash_step, backend=backend, fullgraph=True, dynamic=False, options={
                 "guard_filter_fn": torch.compiler.keep_portable_guards_unsafe})
             try:
@@ -520,7 +411,7 @@ class CompiledSteps:
             return None
         p = next(self.spec.target.parameters())
         if self._folder is None or self._folder[0] != (p.device, p.dtype):
-            fp = fingerprint(self.spec, self.backend, self.mode, self.options, self.regions)
+            fp = fingerprint(self.spec, self.backend, self.mode, self.options, self.keys.regions)
             digest = hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:24]
             self._folder = ((p.device, p.dtype), self.cache_dir / digest, fp)
         return self._folder[1]
@@ -582,7 +473,8 @@ class CompiledSteps:
         if self.backend in ("dflash", "dflash_neuron"):
             from ..backends import inductor_options
 
-            return inductor_options({next(self.spec.target.parameters()).device.type}, self.options, self.regions)
+            device = next(self.spec.target.parameters()).device.type
+            return inductor_options({device}, self.options, self.keys.regions)
         return dict(self.options) if self.backend == "inductor" else {}
 
     def _unwrap(self, key: StepKey, blob: bytes) -> bytes:

@@ -21,6 +21,7 @@ capacity once, so a pool's shape never changes under a compiled graph.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import time
@@ -65,9 +66,8 @@ class StepResult:
 
 
 class Scheduler:
-    """Admission, buckets, emission and per-step sampling inputs for one ``DFlashSpecWrapper`` (see the module
-    docstring for the threading model). Host decisions that tensor-parallel ranks must share go through
-    ``self.ranks`` (``ranks.SingleProcess`` or ``ranks.Lockstep``)."""
+    """Admission, buckets, emission and per-step sampling inputs for one ``DFlashSpecWrapper`` (threads: the module
+    docstring); host decisions tensor-parallel ranks share go through ``self.ranks`` (``ranks.py``)."""
 
     def __init__(self, spec):
         self.spec = spec
@@ -76,7 +76,7 @@ class Scheduler:
         self._waiting: deque[Request] = deque()
         self._driver: threading.Thread | None = None
         self._joining = 0  # requests taken off the queue and not yet in the batch (being admitted)
-        self._announced = 0  # requests whose callers are readying graphs, not queued yet (``_ready_graphs``)
+        self._announced = 0  # requests whose callers are readying graphs, not queued yet (``graphs_ready``)
         self._ids = itertools.count()
         self.batch: Batch | None = None
         self.cache = None
@@ -95,16 +95,10 @@ class Scheduler:
 
     def submit_together(self, prompts: list[list[int]], args: GenerationArgs,
                         generators: list[torch.Generator | None]) -> list[RequestHandle]:
-        """Queue validated requests atomically: the driver sees all of them at once, so they are admitted in the
-        same step (prefilled together) as far as free rows allow."""
+        """Queue validated requests atomically (admitted, prefilled together, in one step as far as rows allow)."""
         requests = [Request(next(self._ids), list(p), args, g) for p, g in zip(prompts, generators, strict=True)]
         handles = [RequestHandle(r) for r in requests]
-        announced = 0
-        if self.spec.compiled_steps is not None:
-            self._ready_graphs(len(requests), args.do_sample)
-            announced = len(requests)
-        with self._lock:
-            self._announced -= announced
+        with graphs_ready(self, len(requests), args.do_sample), self._lock:
             self._waiting.extend(requests)
             self._threads = torch.get_num_threads()  # the caller's: the driver runs the steps with as many
             if self._driver is None:
@@ -112,33 +106,20 @@ class Scheduler:
                 self._driver.start()
         return handles
 
-    def _ready_graphs(self, rows: int, sampled: bool) -> None:
-        """Before ``rows`` new requests join: the graphs of every batch they may step in (``CompiledSteps.ready``),
-        up to the rows already in flight or being readied by other callers plus these, in both sampling modes
-        when others are in flight (the batch mixes them until they leave)."""
-        with self._lock:
-            others = self._announced + len(self._waiting) + self._joining + (
-                len(self.batch.rows) if self.batch is not None else 0)
-            self._announced += rows
-        try:
-            self.spec.compiled_steps.ready(others + rows, "both" if others else sampled)
-        except BaseException:
-            with self._lock:
-                self._announced -= rows
-            raise
+    def _rows(self) -> int:  # queued, joining and running (the lock held)
+        return len(self._waiting) + self._joining + (len(self.batch.rows) if self.batch is not None else 0)
 
     def in_flight(self) -> int:
-        with self._lock:  # queued, joining and running
-            return len(self._waiting) + self._joining + (len(self.batch.rows) if self.batch is not None else 0)
+        with self._lock:
+            return self._rows()
 
     def idle(self) -> bool:
         with self._lock:
             return self._driver is None
 
     def prefill_batch(self, prompts: list[list[int]], args: GenerationArgs) -> tuple[int, tuple]:
-        """Admit ``prompts`` together on the calling thread, without running any step, and return ``(bucket, the
-        step's inputs)`` exactly as the driver would build them (for benchmarks and tests; nothing may be in
-        flight)."""
+        """Admit ``prompts`` together on the calling thread, no step run: ``(bucket, the step's inputs)`` as the driver
+        would build them (for benchmarks and tests; nothing may be in flight)."""
         if self.in_flight():
             raise RuntimeError("prefill_batch needs an idle scheduler")
         new = [Request(next(self._ids), list(p), args) for p in prompts]
@@ -412,3 +393,20 @@ def prefill_groups(lengths: list[int], overhead: int = PREFILL_OVERHEAD_TOKENS) 
 def _dense(t: torch.Tensor) -> torch.Tensor:
     """A row-major copy (``contiguous()`` keeps a view whose size-1 dims have other strides)."""
     return t.clone(memory_format=torch.contiguous_format)
+
+
+@contextlib.contextmanager
+def graphs_ready(scheduler: Scheduler, rows: int, sampled: bool):
+    """Before ``rows`` new requests queue on ``scheduler``: the graphs of every batch they may step in
+    (``CompiledSteps.ready``), up to the rows in flight or being readied by other callers plus these, both sampling
+    modes when others are in flight (the batch mixes them until they leave)."""
+    with scheduler._lock:
+        others = scheduler._announced + scheduler._rows()
+        scheduler._announced += rows
+    try:
+        if scheduler.spec.compiled_steps is not None:
+            scheduler.spec.compiled_steps.ready(others + rows, "both" if others else sampled)
+        yield
+    finally:
+        with scheduler._lock:
+            scheduler._announced -= rows

@@ -204,22 +204,17 @@ class DFlashSpecWrapper(nn.Module):
     def compile(self, backend="dflash", *, cache_dir=None, on_miss: str = "compile", mode=None,
                 options: dict | None = None, fullgraph: bool = True, dynamic=None, regions: bool | None = None,
                 **kwargs) -> None:
-        """Run the step compiled by ``backend`` (a registered name such as ``"dflash"``, ``"dflash_neuron"``,
-        ``"inductor"``, or a backend callable) from now on: one graph per step key — batch bucket, greedy or
-        sampled, ``K = 0`` or every ``K >= 1`` — serving every context length up to ``max_seq_len``
-        (``dflash_neuron``: one per ``K`` and context bucket too, its graphs are static). A ``generate`` or
-        ``submit`` call readies the graphs its batch may step through before it steps (every bucket down to one
-        row), or :meth:`precompile` does it up front; they are saved in the compile cache (``cache_dir``; default ``$DFLASH_COMPILE_CACHE_DIR``,
-        else ``~/.cache/dflash_compile``), which later processes load from instead of compiling. ``on_miss``: what
-        a step whose key has no graph yet does — ``"compile"`` it (default: the request waits), run the ``"eager"``
-        step for that call, start compiling it on a ``"background"`` thread and run the eager step until it is
-        ready, or raise (``"error"``). ``mode``/``options`` go to the backend. ``regions``: compile each distinct
-        decoder layer once and call it from every layer (``runtime/regions.py``); default (None): for stacks of 16
-        or more layers of one class, except tensor-parallel targets and targets with recurrent layers. See
-        ``runtime/compiled_steps.py``.
-
-        The step is always one full graph (``fullgraph=False`` is refused) and its shapes are fixed by the key
-        (``dynamic`` other than None/False is refused)."""
+        """Run the step compiled by ``backend`` (``"dflash"``, ``"dflash_neuron"``, ``"inductor"``, or a backend
+        callable) from now on: one full graph per step key (batch bucket, greedy or sampled, ``K = 0`` or every
+        ``K >= 1``; every context length up to ``max_seq_len``; ``dflash_neuron``'s are static: one per ``K`` and
+        context bucket). ``generate`` and ``submit`` ready the graphs their batch may step through before it steps,
+        :meth:`precompile` up front; they are saved in the compile cache (``cache_dir``; default
+        ``$DFLASH_COMPILE_CACHE_DIR``, else ``~/.cache/dflash_compile``) that later processes load. ``on_miss`` (a
+        key with no graph yet): ``"compile"`` it (default), run the ``"eager"`` step, compile it on a
+        ``"background"`` thread while the eager step serves, or raise (``"error"``). ``mode``/``options`` go to the
+        backend. ``regions``: each distinct decoder layer compiled once (``runtime/regions.py``); None: for stacks
+        of 16 layers or more, not tensor-parallel or recurrent targets. ``fullgraph=False`` and ``dynamic`` other
+        than None/False are refused. See ``runtime/compiled_steps.py``."""
         from .compiled_steps import compiled_steps_for
 
         self.compiled_steps = compiled_steps_for(self, backend, cache_dir=cache_dir, on_miss=on_miss, mode=mode,
@@ -246,15 +241,12 @@ class DFlashSpecWrapper(nn.Module):
         return self.compiled_steps.step(args, kwargs, propose)
 
     def precompile(self, batch_sizes=None, *, sampling: bool | str = False, progress: bool = True) -> dict:
-        """Compile (or load from the compile cache) every step graph a deployment will use, now, so that no
-        request ever waits for a compile. ``batch_sizes``: the batch sizes to serve (default: every batch bucket;
-        each is rounded up to its bucket); ``sampling``: False (greedy steps), True (sampled steps) or
-        ``"both"``. Static-context backends (``dflash_neuron``) compile every context bucket too. A progress bar
-        (tqdm) shows each key; returns ``{str(key): (how, seconds)}`` with ``how`` ``"compiled"``, ``"loaded"`` or
-        ``"ready"`` (already in memory). Every step variant the speculation policy may use is compiled
-        (:meth:`step_graphs`; with ``dflash``/``inductor`` one graph serves every ``K >= 1``: three per batch bucket
-        and sampling mode under ``speculation="auto"``). ``generate`` and ``submit`` ready the graphs their batch may
-        step through by themselves (``CompiledSteps.ready``). Call :meth:`compile` first."""
+        """Compile (or load from the compile cache) every step graph a deployment will use, now, with a progress bar
+        (tqdm). ``batch_sizes``: the batch sizes to serve (default: every batch bucket); ``sampling``: False, True
+        or ``"both"``; static-context backends (``dflash_neuron``) compile every context bucket too. Every
+        (:meth:`step_graphs`) variant the policy may use: with ``dflash``/``inductor`` three graphs per batch bucket
+        and sampling mode under ``speculation="auto"``. Returns ``{str(key): (how, seconds)}``, ``how`` one of
+        ``"compiled"``, ``"loaded"``, ``"ready"``. Call :meth:`compile` first."""
         if self.compiled_steps is None:
             raise RuntimeError("precompile() needs a backend: call spec.compile(backend=...) first")
         return self.compiled_steps.precompile(batch_sizes, sampling, progress)
@@ -277,7 +269,7 @@ class DFlashSpecWrapper(nn.Module):
         """Pages a step over ``num_tokens`` positions gets: the live pages (at least 2) when the compiled step serves
         every context length, else those of the smallest context bucket that holds them (capped at capacity)."""
         need = pages(min(num_tokens, self.max_seq_len), self.page_size)
-        if self.compiled_steps is not None and self.compiled_steps.serves_every_context:
+        if self.compiled_steps is not None and self.compiled_steps.keys.serves_every_context:
             return min(max(need, 2), pages(self.max_seq_len, self.page_size))  # one graph for all: the live pages
         return next(b for b in self.context_buckets if b >= need)
 

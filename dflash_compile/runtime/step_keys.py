@@ -1,0 +1,128 @@
+"""Step keys: which sizes tell one compiled step graph from another, and how a graph is traced to serve the sizes a
+key leaves open (``docs/compile.md``, "One graph per key")."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+from ..primitives.slots import pages
+from .regions import DEFAULT_MIN_REPEATS, repeated_layer_types
+
+
+@dataclasses.dataclass(frozen=True)
+class StepKey:
+    """What tells one step graph from another: ``batch`` rows, ``verify_len`` tokens per row (``K + 1``), greedy or
+    ``sampled``, ``context_pages`` and whether it ``propose``s the next block (a step before a plain ``K = 0`` step
+    does not). None for a size: the graph serves every value of it (a dynamic dimension: ``K`` from 1, the context
+    from 2 pages)."""
+
+    batch: int
+    verify_len: int | None
+    sampled: bool
+    context_pages: int | None = None
+    propose: bool = True
+
+    def sort_key(self) -> tuple:
+        return tuple(-1 if v is None else v for v in dataclasses.astuple(self))
+
+    @property
+    def filename(self) -> str:
+        size = lambda v: "any" if v is None else str(v)  # noqa: E731
+        plain = "" if self.propose else "-noprop"
+        return (f"step-b{size(self.batch)}-v{size(self.verify_len)}{plain}-"
+                f"{'sampled' if self.sampled else 'greedy'}-ctx{size(self.context_pages)}.pt2")
+
+    def __str__(self) -> str:
+        ctx = "every context" if self.context_pages is None else f"{self.context_pages} pages"
+        plain = "" if self.propose else " (no proposal)"
+        k = "every K" if self.verify_len is None else f"K {self.verify_len - 1}"
+        return f"batch {self.batch}, {k}{plain}, {'sampled' if self.sampled else 'greedy'}, {ctx}"
+
+
+def size_oblivious():
+    """Sizes computed from a dynamic one traced for every value they may take: the drafts of a block of K + 1 tokens
+    (``block[:, 1:]``) are a single column at K = 1, which dynamo would otherwise specialise or guard against 1."""
+    return torch.fx.experimental._config.patch(backed_size_oblivious=True)
+
+
+class StepKeys:
+    """The keys of one wrapper's step graphs: ``dynamic_context`` (the backend compiles dynamic shapes) and
+    ``regions`` (``spec.compile``'s argument) decide which sizes a key keeps."""
+
+    def __init__(self, spec, dynamic_context: bool, regions: bool | None):
+        self.spec, self.dynamic_context, self.regions_arg = spec, dynamic_context, regions
+
+    @functools.cached_property
+    def region_types(self) -> list[type]:
+        """The target's layer classes compiled as nested compile regions (``regions.py``). ``regions=True``: every
+        repeated class; None (default): classes repeated ``DEFAULT_MIN_REPEATS`` times, except in tensor-parallel
+        targets (their collectives run inside the layers; the collective graph settings are the top graph's) and
+        targets with recurrent layers (not tried as regions); False: none."""
+        spec, arg = self.spec, self.regions_arg
+        if arg is False or (arg is None and (spec.tp is not None or spec.kv_cache().has_states)):
+            return []
+        return repeated_layer_types(spec.target, min_repeats=2 if arg else DEFAULT_MIN_REPEATS)
+
+    @property
+    def regions(self) -> bool:
+        return bool(self.region_types)
+
+    @property
+    def serves_every_context(self) -> bool:
+        """Whether one graph per key serves every context length (else the context pages are part of the key)."""
+        return self.dynamic_context and self.pages_range() is not None
+
+    def key(self, batch: int, context_pages: int, sampled: bool, verify_len: int, propose: bool = True) -> StepKey:
+        """The key of a step of these sizes. Where graphs are dynamic (``serves_every_context``), one graph per batch
+        bucket and sampling mode serves every context length and every ``K >= 1``: the key keeps ``K`` only where it
+        is 0 (HF attention branches on a query length of 1, so a block length that may be 1 is not one graph).
+        Static ``K`` stays for tensor-parallel steps (not tried dynamic) and for targets with recurrent layers
+        (they run the block token by token, ``recurrent.py``)."""
+        if not self.serves_every_context:
+            return StepKey(batch, verify_len, sampled, context_pages, propose)
+        spec = self.spec
+        open_k = (propose and verify_len > 1 and spec.dflash_step.block_size > 2 and spec.tp is None
+                  and not spec.kv_cache().has_states)
+        return StepKey(batch, None if open_k else verify_len, sampled, None, propose)
+
+    def marked(self, key: StepKey, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Fresh views of ``forward``'s arguments (the marks stay off the caller's tensors) with the sizes ``key``
+        leaves open marked dynamic: the table's pages, the block's length."""
+        args, kwargs = list(args), dict(kwargs)
+        dims = []  # (tensor, dim, min, max)
+        if key.context_pages is None and self.pages_range() is not None:
+            args[2] = args[2][:]
+            dims.append((args[2], 1, *self.pages_range()))
+        if key.verify_len is None:
+            args[0] = args[0][:]
+            dims.append((args[0], 1, 2, self.spec.dflash_step.block_size))
+        for t, dim, lo, hi in dims:
+            torch._dynamo.mark_dynamic(t, dim, min=lo, max=hi)
+        return tuple(args), kwargs
+
+    def pages_range(self) -> tuple[int, int] | None:
+        """The dynamic page dimension's range, or None where the capacity is too small for one."""
+        full = pages(self.spec.max_seq_len, self.spec.page_size)
+        return (2, full) if full >= 3 else None
+
+    def example(self, key: StepKey) -> tuple[tuple, dict]:
+        """Step inputs of ``key``'s shapes to trace it with: for ``K``, when the key leaves it open, the largest the
+        wrapper runs (the size Inductor tunes its code for)."""
+        spec = self.spec
+        K = (key.verify_len or spec.verify_len) - 1
+        return spec.dflash_step.example_inputs(spec.kv_cache(), key.batch, key.context_pages or 2, key.sampled, K,
+                                               key.propose)
+
+    def keys_for(self, buckets, sampling) -> list[StepKey]:
+        """The keys of the graphs a batch in ``buckets`` steps through, greedy (``sampling=False``), sampled (True)
+        or ``"both"``: one per ``(K, proposes)`` variant the policy may run, fewer where a dynamic graph serves
+        several ``K``, and per context bucket where graphs are static."""
+        if sampling not in (False, True, "both"):
+            raise ValueError(f"sampling={sampling!r}: expected False, True or 'both'")
+        modes = [False, True] if sampling == "both" else [bool(sampling)]
+        pages_of = [None] if self.serves_every_context else list(self.spec.context_buckets)
+        return list(dict.fromkeys(self.key(b, p or 2, m, k + 1, propose) for b in buckets for m in modes
+                                  for p in pages_of for k, propose in self.spec.step_graphs()))
