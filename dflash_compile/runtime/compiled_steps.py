@@ -220,8 +220,8 @@ class CompiledSteps:
         self.spec = spec
         self.backend, self.mode, self.options = backend, mode, dict(options or {})
         self.on_miss = on_miss
-        self.keys = StepKeys(spec, self.dynamic_context, regions)
         self.dynamic_context = (backend not in STATIC_CONTEXT_BACKENDS) if dynamic_context is None else dynamic_context
+        self.keys = StepKeys(spec, self.dynamic_context, regions)
         self.cache_dir = None if not isinstance(backend, str) else Path(cache_dir) if cache_dir else default_cache_dir()
         # Inductor's own cache (the compiled C++/Triton binaries a saved graph loads) lives in the compile cache too
         # while it compiles or loads a step, so that copying the compile cache carries them.
