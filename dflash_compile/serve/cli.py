@@ -43,8 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     pair.add_argument("--backend", default="dflash", help=f"compile backend: one of {', '.join(BACKENDS)} "
                                                           f"(eager: no compile)")
     pair.add_argument("--precompile", action="store_true",
-                      help="compile every step graph before serving (default: the eager step serves each new graph's "
-                           "requests while it compiles in the background)")
+                      help="compile every step graph before serving (default: they all start compiling on a "
+                           "background thread at start-up, and the eager step serves until each is ready)")
     pair.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                       help="reuse the KV pages of prompts' shared prefixes (default: on; off for targets with "
                            "recurrent-state layers, said in the log)")
