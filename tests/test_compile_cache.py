@@ -285,7 +285,8 @@ def test_no_step_compiles_inside_a_long_mixed_run():
     spec.compiled_steps.listeners.append(lambda key, how, s: events.append((threading.current_thread().name, how)))
     greedy, sampled, late = random_prompts([5, 12], 3), random_prompts([7, 4], 4), random_prompts([9], 5)
     out = {}
-    calls = [threading.Thread(target=lambda: out.__setitem__("greedy", spec.generate(greedy, max_new_tokens=60, pad_token_id=0))),
+    calls = [threading.Thread(target=lambda: out.__setitem__("greedy", spec.generate(
+                 greedy, max_new_tokens=60, pad_token_id=0))),
              threading.Thread(target=lambda: out.__setitem__("sampled", spec.generate(
                  sampled, max_new_tokens=12, do_sample=True, temperature=0.8, seed=1, pad_token_id=0)))]
     for t in calls:

@@ -58,6 +58,8 @@ ON_MISS = ("compile", "eager", "background", "error")
 STATIC_CONTEXT_BACKENDS = ("dflash_neuron",)
 _MAGIC = b"DFLASHSTEP1\n"
 _TRACING = threading.Lock()  # dynamo traces one graph at a time, process-wide
+
+
 def default_cache_dir() -> Path:
     """``$DFLASH_COMPILE_CACHE_DIR``, else ``$XDG_CACHE_HOME/dflash_compile``, else ``~/.cache/dflash_compile``."""
     if os.environ.get(CACHE_DIR_ENV):
@@ -189,8 +191,9 @@ class _InProcessStep:
     def __call__(self, *args, **kwargs):
         args, kwargs = self._steps.keys.marked(self._key, args, kwargs)  # the sizes the capture left open, again
         cfg = torch._dynamo.config  # every wrapper shares forward's code object, hence one dynamo cache for all keys
+        limit = max(cfg.recompile_limit, cfg.accumulated_recompile_limit)
         with _TRACING, compile_regions(self._steps.keys.region_types), size_oblivious(), cfg.patch(
-                automatic_dynamic_shapes=False, recompile_limit=max(cfg.recompile_limit, cfg.accumulated_recompile_limit)):
+                automatic_dynamic_shapes=False, recompile_limit=limit):
             return self._fn(*args, **kwargs)
 
 
