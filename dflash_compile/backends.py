@@ -45,17 +45,17 @@ INDUCTOR_OPTIONS = {"freezing": False}
 #: 32.31 ms (one thread, context 500; ``benchmarks/bench_cpu_options.py``). Not on CUDA, where it is unmeasured
 #: here and CUDA graphs are the way to hide launch overhead.
 CPU_INDUCTOR_OPTIONS = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True, "cpp_cache_precompile_headers": False}
+#: For CPU graphs that call nested compile regions (``runtime/regions.py``): torch 2.13's C++ wrapper cannot
+#: call a subgraph (``NotImplementedError: codegen invoke_subgraph is not implemented for cpp wrapper``), so these keep
+#: the Python wrapper, whose kernels build as one shared object each; the precompiled header makes each build cheap
+#: (SmolLM2-135M's step, batch 1, K 7, cold: 114 s inline with the C++ wrapper, 99 s as regions without the header,
+#: 74 s with it; single-graph runs, ``docs/compile.md``).
+REGION_CPU_INDUCTOR_OPTIONS = {"cpp_wrapper": False, "cpp_cache_precompile_headers": True}
 #: For graphs with collectives (a tensor-parallel step), torch 2.13: the C++ wrapper cannot call a collective's
 #: kernel (``NotImplementedError: arg type Any is not yet supported by custom_op_wrapper``: the group argument); and
 #: ``reorder_for_locality`` moved the kernel that adds the last decoder layer's MLP output into the residual stream
 #: ahead of that output's in-place all-reduce, so it read this rank's partial sum (greedy tokens diverged from the
 #: eager step's within 12 tokens on a tiny Qwen3 over two gloo ranks; ``tests/test_tensor_parallel.py``).
-#: For CPU graphs that call nested compile regions (``runtime/regions.py``) instead: torch 2.13's C++ wrapper cannot
-#: call a subgraph (``NotImplementedError: codegen invoke_subgraph is not implemented for cpp wrapper``), so these keep
-#: the Python wrapper, whose kernels build as one shared object each; the precompiled header makes each build cheap
-#: (SmolLM2-135M's step, batch 1, K 7, cold: 114 s inline with the C++ wrapper, 99 s as regions without the header,
-#: 74 s with it; ``benchmarks/bench_compile.py``).
-REGION_CPU_INDUCTOR_OPTIONS = {"cpp_wrapper": False, "cpp_cache_precompile_headers": True}
 COLLECTIVE_INDUCTOR_OPTIONS = {"cpp_wrapper": False, "reorder_for_locality": False}  # see also distributed.waited_collectives
 _said: set[str] = set()
 
@@ -233,7 +233,7 @@ def dflash_passes(gm: torch.fx.GraphModule, example_inputs) -> torch.fx.GraphMod
         aten_gm = _retrace(gm, example_inputs)
     with dynamo_timed("dflash.passes"), torch._guards.tracing(None):
         counts = apply_passes(aten_gm)
-    calls = aten_gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph)
+    calls = _region_calls(aten_gm)
     if calls:  # nested compile regions: how many layers call how many distinct subgraphs
         counters["dflash"]["region_calls"] += len(calls)
         counters["dflash"]["region_subgraphs"] += len({n.args[0].target for n in calls})
@@ -278,7 +278,7 @@ def _inductor(gm, example_inputs, options):
     # its SymInt inputs: make_fx's placeholders lose ``val`` (dynamo's own graphs carry none), so the inputs count.
     for node in gm.graph.find_nodes(op="placeholder"):
         node.meta.pop("val", None)
-    opts = inductor_options(kinds, options, regions=has_regions(gm))
+    opts = inductor_options(kinds, options, regions=bool(_region_calls(gm)))
     if _collectives(gm):  # a tensor-parallel step: Inductor's defaults that break it, unless ``options`` set them
         from .runtime.distributed import waited_collectives
 
@@ -288,9 +288,9 @@ def _inductor(gm, example_inputs, options):
         return compile_fx(gm, example_inputs)
 
 
-def has_regions(gm: torch.fx.GraphModule) -> bool:
-    """Whether ``gm`` calls a nested compile region's subgraph."""
-    return any(gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph))
+def _region_calls(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """``gm``'s calls of nested compile regions' subgraphs."""
+    return gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph)
 
 
 def _collectives(gm: torch.fx.GraphModule) -> int:

@@ -1,4 +1,5 @@
-"""Regional compilation: every distinct decoder layer of the target and the drafter traced and compiled once.
+"""Regional compilation: every distinct decoder layer of the target traced and compiled once (the drafter's few
+layers stay inline: its attention pattern spans the pool gather made outside its layers).
 
 A decoder stack repeats one layer class ``L`` times (30 times in SmolLM2-135M). Traced inline, the step graph holds
 ``L`` copies of the layer, and Inductor lowers, generates and builds C++ for each copy. Inside ``compile_regions``
