@@ -47,7 +47,9 @@ def _inputs(draft, n_ctx=9):
 def vllm_view(cfg: dict) -> dict:
     """What vLLM's DFlash loader resolves from an authors-format ``config.json`` (its documented rules): the
     window from ``dflash_config.swa_window_size``, else the top-level ``sliding_window`` as transformers' config
-    class parses it; sliding layers causal unless ``is_causal`` / ``dflash_config.causal`` say otherwise."""
+    class parses it; sliding layers causal unless ``is_causal`` / ``dflash_config.causal`` say otherwise; the draft
+    vocabulary from the parsed config's top-level ``draft_vocab_size``, else the vocabulary (vLLM 0.32,
+    ``DFlashQwen3ForCausalLM.__init__``)."""
     d = cfg.get("dflash_config") or {}
     parsed = Qwen3Config(**{k: v for k, v in cfg.items() if k not in ("dflash_config", "architectures")})
     types = list(parsed.layer_types)
@@ -59,7 +61,7 @@ def vllm_view(cfg: dict) -> dict:
         "causal": [bool(causal_flag) if causal_flag is not None else t == "sliding_attention" for t in types],
         "target_layer_ids": list(d["target_layer_ids"]),
         "mask_token_id": d["mask_token_id"],
-        "draft_vocab_size": d.get("draft_vocab_size", parsed.vocab_size),
+        "draft_vocab_size": getattr(parsed, "draft_vocab_size", None) or parsed.vocab_size,
     }
 
 
@@ -117,21 +119,24 @@ def test_every_format_round_trips_and_drafts_the_same(target, kind, tmp_path):
         back.bind_target(target)
         assert back.dflash_config == draft.dflash_config, fmt
         mine, theirs = draft.state_dict(), back.state_dict()
-        if kind == "reduced_vocab" and fmt == "speculators":  # written sorted by target id: same map, rows permuted
+        if kind == "reduced_vocab":  # written sorted by target id: same map, rows permuted
             assert torch.equal(theirs["d2t"], mine["d2t"].sort().values)
             order = mine["d2t"].argsort()
             assert torch.equal(theirs["draft_head.weight"], mine["draft_head.weight"][order])
             mine = {k: v for k, v in mine.items() if k not in ("d2t", "draft_head.weight")}
         assert all(torch.equal(mine[k], theirs[k]) for k in mine), fmt
         # exact, but for head rows written in another order (a GEMM may round a column by its place: 1e-6)
-        tol = 1e-6 if kind == "reduced_vocab" and fmt == "speculators" else 0
+        tol = 1e-6 if kind == "reduced_vocab" else 0
         torch.testing.assert_close(back(*_inputs(back)), ref, rtol=tol, atol=tol, msg=fmt)
         assert back(*_inputs(back)).argmax(-1).tolist() == ref.argmax(-1).tolist()
 
 
-def test_speculators_vocabulary_tensors(target, tmp_path):
+@pytest.mark.parametrize("fmt", ["dflash", "speculators"])
+def test_draft_vocabulary_tensors_are_the_ones_vllm_loads(target, tmp_path, fmt):
+    """vLLM's DFlash loader takes ``lm_head.weight`` as the draft head and ``d2t`` as offsets, skips ``t2d``, and
+    shares the target's head when the file has none."""
     draft = _draft(target, "reduced_vocab")
-    draft.save_pretrained(tmp_path, format="speculators")
+    draft.save_pretrained(tmp_path, format=fmt)
     st = load_file(tmp_path / "model.safetensors")
     ids = sorted(KINDS["reduced_vocab"]["draft_vocab"])
     assert st["d2t"].dtype == torch.int64 and (st["d2t"] + torch.arange(len(ids))).tolist() == ids  # offsets
@@ -139,7 +144,7 @@ def test_speculators_vocabulary_tensors(target, tmp_path):
     assert st["lm_head.weight"].shape == (len(ids), draft.config.hidden_size)
     assert "draft_head.weight" not in st and "embed_tokens.weight" not in st
     # a full-vocabulary drafter writes no head and no maps (readers take the verifier's)
-    _draft(target, "full").save_pretrained(tmp_path / "full", format="speculators")
+    _draft(target, "full").save_pretrained(tmp_path / "full", format=fmt)
     assert not {"lm_head.weight", "d2t", "t2d"} & set(load_file(tmp_path / "full" / "model.safetensors"))
 
 
@@ -174,4 +179,23 @@ def test_speculators_maps_that_disagree_are_refused(target, tmp_path):
     st["t2d"][0] = True  # a token d2t does not name
     save_file(st, tmp_path / "model.safetensors")
     with pytest.raises(ValueError, match="d2t and t2d"):
+        DFlashDraftModel.from_pretrained(tmp_path)
+
+
+def test_drafters_written_with_the_earlier_vocabulary_layout_still_load(target, tmp_path):
+    """Before the vLLM layout, the authors' format held ``draft_head.weight`` and absolute ``d2t`` ids."""
+    draft = _draft(target, "reduced_vocab")
+    draft.save_pretrained(tmp_path)
+    st = load_file(tmp_path / "model.safetensors")
+    old = {k: v for k, v in st.items() if k not in ("lm_head.weight", "d2t", "t2d")}
+    old["draft_head.weight"], old["d2t"] = draft.draft_head.weight.detach(), draft.d2t
+    save_file(old, tmp_path / "model.safetensors")
+    back = DFlashDraftModel.from_pretrained(tmp_path, num_target_layers=4, vocab_size=VOCAB)
+    assert torch.equal(back.d2t, draft.d2t) and torch.equal(back.draft_head.weight, draft.draft_head.weight)
+
+
+def test_two_draft_vocabulary_sizes_are_refused(target, tmp_path):
+    _draft(target, "reduced_vocab").save_pretrained(tmp_path)
+    _edit(tmp_path, draft_vocab_size=len(KINDS["reduced_vocab"]["draft_vocab"]) + 1)
+    with pytest.raises(ValueError, match="two different draft_vocab_size"):
         DFlashDraftModel.from_pretrained(tmp_path)

@@ -18,8 +18,8 @@ from transformers import Qwen3Config
 from .config import DFlashConfig, _integer, choose_mask_token, default_target_layer_ids, is_ordinary_token
 from .hf_format import WEIGHT_NAMES, authors_config, is_transformers_format, transformers_config
 from .speculators_format import (
-    authors_config_from_speculators, is_speculators_format, speculators_config, speculators_weights,
-    weights_from_speculators,
+    authors_config_from_speculators, is_speculators_format, speculators_config, vocab_map_weights,
+    weights_from_vocab_map,
 )
 
 CONFIG_NAME = "config.json"
@@ -102,11 +102,14 @@ def load(cls, path, dtype, device, num_target_layers: int | None, vocab_size: in
     with torch.device("meta"):
         model = cls(config, dflash)
     expected = {names.get(k, k): v.shape for k, v in model.state_dict().items()}
-    if speculators and dflash.draft_vocab_size is not None:  # its names and t2d (speculators_format)
+    # A reduced draft vocabulary as vLLM reads it (lm_head, d2t offsets, t2d: speculators_format.vocab_map_weights);
+    # authors-format drafters written before this layout hold draft_head and absolute d2t ids, read as they are.
+    vocab_map = dflash.draft_vocab_size is not None and (speculators or "draft_head.weight" not in _names(files))
+    if vocab_map:
         expected["lm_head.weight"] = expected.pop("draft_head.weight")
         expected["t2d"] = torch.Size([config.vocab_size])
-    _check_headers(path, files, expected, speculators)
-    state = _read_weights(path, files, config, speculators)
+    _check_headers(path, files, expected, vocab_map)
+    state = _read_weights(path, files, vocab_map, config.vocab_size)
     model = model.to_empty(device=device or "cpu")
     ours = {v: k for k, v in names.items()}
     model.load_state_dict({ours.get(k, k): v for k, v in state.items()}, strict=True)
@@ -147,7 +150,15 @@ def _read_config(path: Path, num_target_layers, vocab_size):
     return config, dflash, names, speculators
 
 
-def _check_headers(path: Path, files, expected: dict, speculators: bool) -> None:
+def _names(files) -> set[str]:
+    names: set[str] = set()
+    for f in files:
+        with _safetensors(f) as st:
+            names.update(st.keys())
+    return names
+
+
+def _check_headers(path: Path, files, expected: dict, vocab_map: bool) -> None:
     """Names, shapes and dtypes from the files' headers: nothing is read into memory before they check out."""
     header: dict[str, tuple[Path, tuple[int, ...], str]] = {}
     for f in files:
@@ -167,7 +178,7 @@ def _check_headers(path: Path, files, expected: dict, speculators: bool) -> None
     not_float = sorted(
         f"{f.name}: {k!r} is {dt}" for k, (f, _, dt) in header.items()
         if not dt.startswith(("F", "BF")) and not (k == "d2t" and dt.startswith("I"))
-        and not (speculators and k == "t2d" and dt == "BOOL")
+        and not (vocab_map and k == "t2d" and dt == "BOOL")
     )
     problems = []
     if missing:
@@ -182,7 +193,7 @@ def _check_headers(path: Path, files, expected: dict, speculators: bool) -> None
         raise ValueError(f"malformed DFlash checkpoint {path}: " + ", ".join(problems))
 
 
-def _read_weights(path: Path, files, config, speculators: bool) -> dict[str, torch.Tensor]:
+def _read_weights(path: Path, files, vocab_map: bool, vocab_size: int) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     for f in files:
         with _safetensors(f) as st:
@@ -190,9 +201,9 @@ def _read_weights(path: Path, files, config, speculators: bool) -> dict[str, tor
                 state[key] = st.get_tensor(key)
                 if not bool(torch.isfinite(state[key]).all()):
                     raise ValueError(f"malformed DFlash checkpoint: {f}: weight {key!r} has non-finite values")
-    if speculators:
+    if vocab_map:
         try:
-            state = weights_from_speculators(state, config.vocab_size)
+            state = weights_from_vocab_map(state, vocab_size)
         except ValueError as e:
             raise ValueError(f"malformed DFlash checkpoint {path}: {e}") from None
     return state
@@ -217,8 +228,8 @@ def save(model, path, format: str) -> None:
     path.mkdir(parents=True, exist_ok=True)
     (path / CONFIG_NAME).write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     state = {names.get(k, k): v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    if format == "speculators":
-        state = {k: v.contiguous() for k, v in speculators_weights(state, model.config.vocab_size).items()}
+    if format != "transformers":  # (which has no reduced vocabulary)
+        state = {k: v.contiguous() for k, v in vocab_map_weights(state, model.config.vocab_size).items()}
     save_file(state, str(path / WEIGHTS_NAME), metadata={"format": "pt"})
 
 

@@ -102,11 +102,10 @@ class DFlashConfig:
         block_size = dflash.get("block_size", config.get("block_size"))
         if block_size is None:
             raise ValueError("config has no block_size (neither top-level nor in dflash_config)")
-        if "block_size" in dflash and "block_size" in config and dflash["block_size"] != config["block_size"]:
-            raise ValueError(
-                f"config has two different block_size values: {config['block_size']} (top level) "
-                f"and {dflash['block_size']} (dflash_config)"
-            )
+        for name in ("block_size", "draft_vocab_size"):
+            if dflash.get(name, config.get(name)) != config.get(name, dflash.get(name)):
+                raise ValueError(f"config has two different {name} values: {config[name]} (top level) "
+                                 f"and {dflash[name]} (dflash_config)")
         mask_token_id = dflash.get("mask_token_id", config.get("mask_token_id"))
         if mask_token_id is None:
             raise ValueError("config has no mask_token_id (dflash_config.mask_token_id)")
@@ -159,6 +158,7 @@ class DFlashConfig:
             out["dflash_config"]["swa_window_size"] = self.sliding_window  # where vLLM's DFlash looks first
         if self.draft_vocab_size is not None:
             out["dflash_config"]["draft_vocab_size"] = self.draft_vocab_size
+            out["draft_vocab_size"] = self.draft_vocab_size  # where vLLM's DFlash reads it (not dflash_config)
         return out
 
 

@@ -9,11 +9,8 @@ Same drafter math as the DFlash authors' layout; what differs:
   every layer: true), ``sample_from_anchor`` (false: the anchor is the bonus token and only the mask positions
   predict), ``target_hidden_size``, and a ``speculators_config`` (algorithm, greedy proposal of ``block_size - 1``
   tokens, the verifier's architectures);
-- weights: ``layers.*``, ``fc``, ``hidden_norm``, ``norm`` as ours; with a reduced draft vocabulary also
-  ``lm_head.weight`` (the drafter's own head, our ``draft_head``), ``d2t`` (int64 *offsets*: draft id ``i`` is target
-  id ``i + d2t[i]``) and ``t2d`` (bool over the target's vocabulary: which tokens the drafter has). The draft ids
-  are the selected target ids in ascending order (``t2d`` cannot say another order), so a drafter whose ``d2t``
-  is not ascending is written with its head rows sorted.
+- weights: ``layers.*``, ``fc``, ``hidden_norm``, ``norm`` as ours; a reduced draft vocabulary as
+  :func:`vocab_map_weights` writes it (the authors' layout writes it the same way).
 
 ``DFlashDraftModel.from_pretrained`` reads it (``is_speculators_format``); ``save_pretrained(format="speculators")``
 writes it. ``target_layer_ids`` are read back as ``aux_hidden_state_layer_ids - 1``; a 0 there (the embeddings'
@@ -101,9 +98,13 @@ def authors_config_from_speculators(raw: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def speculators_weights(state: dict[str, torch.Tensor], vocab_size: int) -> dict[str, torch.Tensor]:
-    """Our state dict -> the speculators checkpoint's tensors (``draft_head`` -> ``lm_head``, absolute ``d2t`` ->
-    sorted ids as offsets, plus ``t2d``)."""
+def vocab_map_weights(state: dict[str, torch.Tensor], vocab_size: int) -> dict[str, torch.Tensor]:
+    """Our state dict -> a checkpoint's tensors, a reduced draft vocabulary written as vLLM's loaders (DFlash,
+    EAGLE-3, speculators) read it: ``lm_head.weight`` (the drafter's own head, our ``draft_head``), ``d2t`` (int64
+    *offsets*: draft id ``i`` is target id ``i + d2t[i]``) and ``t2d`` (bool over the target's vocabulary: which
+    tokens the drafter has). The draft ids are the selected target ids in ascending order (``t2d`` cannot say
+    another order), so a drafter whose ``d2t`` is not ascending is written with its head rows sorted. A drafter
+    that scores the whole vocabulary is written as it is."""
     out = {k: v for k, v in state.items() if k not in ("draft_head.weight", "d2t")}
     if "d2t" in state:
         ids, order = state["d2t"].sort()
@@ -115,8 +116,9 @@ def speculators_weights(state: dict[str, torch.Tensor], vocab_size: int) -> dict
     return out
 
 
-def weights_from_speculators(state: dict[str, torch.Tensor], vocab_size: int) -> dict[str, torch.Tensor]:
-    """The speculators checkpoint's tensors -> our state dict; ``d2t`` and ``t2d`` must name the same tokens."""
+def weights_from_vocab_map(state: dict[str, torch.Tensor], vocab_size: int) -> dict[str, torch.Tensor]:
+    """A checkpoint's tensors as :func:`vocab_map_weights` writes them -> our state dict; ``d2t`` and ``t2d`` must
+    name the same tokens."""
     out = {k: v for k, v in state.items() if k not in ("lm_head.weight", "d2t", "t2d", "embed_tokens.weight",
                                                        "verifier_lm_head.weight", "verifier_norm.weight")}
     if "d2t" in state:
