@@ -27,6 +27,9 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/bench_humaneval.py
 	$(PY) benchmarks/bench_generate.py
 	$(PY) benchmarks/bench_batch.py
+	# vLLM's CPU build, side by side (installs it into build/vllm/venv on first use)
+	$(PY) benchmarks/bench_vllm.py --pair tiny
+	$(PY) benchmarks/bench_vllm.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -7,6 +7,7 @@ into ``build/mutants/``, applies the replacements there — each pattern must ma
 saying so — runs the tests named for it in that copy, and calls the mutation killed when they fail. The working
 tree is never touched, so a crash or an interrupt cannot leave it mutated. The run fails unless every mutation is
 killed. It assumes the suite passes unmutated (CI runs ``make test`` first; ``--baseline`` checks it here).
+Mutations run two at a time (each in its own copy, its pytest stopping at the first failure: one is a kill).
 
     python tests/mutants.py                 # all mutations
     python tests/mutants.py -k rope -k ratio  # those whose name contains one of the words
@@ -16,6 +17,7 @@ killed. It assumes the suite passes unmutated (CI runs ``make test`` first; ``--
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import os
 import re
 import shutil
@@ -28,6 +30,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 WORK = ROOT / "build" / "mutants"
 TIMEOUT_S = 600
+PARALLEL = 2  # mutations at a time (each one pytest process)
+SLOW_TESTS = ("test_tensor_parallel", "test_compiled_generate", "test_backends")  # minutes, not seconds
 
 
 @dataclass(frozen=True)
@@ -154,11 +158,12 @@ def _apply(tree: Path, m: Mutant) -> None:
     path.write_text(text)
 
 
-def _pytest(tree: Path, tests: tuple[str, ...]) -> tuple[int, str]:
+def _pytest(tree: Path, tests: tuple[str, ...], first_failure: bool = False) -> tuple[int, str]:
     env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1",
                TORCHINDUCTOR_CACHE_DIR=str(ROOT / "build" / "inductor-cache"))  # keyed by graph: safe to share
     try:
-        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore", *tests],
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore",
+                            *(["-x"] if first_failure else []), *tests],
                            cwd=tree, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
         return -1, f"timed out after {TIMEOUT_S} s"
@@ -170,6 +175,34 @@ def _check_imports_copy(tree: Path) -> None:
                        capture_output=True, text=True, check=True)
     if not Path(r.stdout.strip()).resolve().is_relative_to(tree.resolve()):
         raise RuntimeError(f"tests in {tree} would import dflash_compile from {r.stdout.strip()}, not the copy")
+
+
+def _prepared(m: Mutant, files: list[str], apply: bool = True) -> Path:
+    tree = WORK / m.name
+    _copy(tree, files)
+    if apply:
+        _apply(tree, m)
+    return tree
+
+
+def _run_mutant(m: Mutant, files: list[str]) -> tuple[Mutant, str, str, float, str]:
+    """``(m, killed?, "failed/run", seconds, why)`` for one mutation, in a copy of its own (removed after)."""
+    t0 = time.monotonic()
+    tree = _prepared(m, files)
+    try:
+        rc, out = _pytest(tree, m.tests, first_failure=True)
+    finally:
+        shutil.rmtree(tree, ignore_errors=True)
+    failed_ids = set(re.findall(r"^(?:FAILED|ERROR) (\S+)", out, re.M))
+    failed = [t for t in m.tests if any(f == t or f.startswith(t + "[") for f in failed_ids)]
+    # pytest exit 1: tests ran and some failed. Anything else (0: all passed; 2-5: interrupted, internal or usage
+    # error, nothing collected; -1: timeout) is not a kill.
+    status = "yes" if rc == 1 else ("NO" if rc == 0 else f"ERROR (pytest exit {rc})")
+    # Why: pytest's summary lines (a kill for the wrong reason, e.g. an import error, shows here), or the tail.
+    why = re.findall(r"^(?:FAILED|ERROR) .*$", out, re.M)
+    report = ("\n".join(f"    {line[:200]}" for line in why[:4]) if status == "yes" and why else
+              "\n".join(out.splitlines()[-25:]))
+    return m, status, f"{len(failed)}/{len(m.tests)} failed (stops at the first)", time.monotonic() - t0, report
 
 
 def main(argv=None) -> int:
@@ -206,28 +239,15 @@ def main(argv=None) -> int:
             print("baseline: the selected tests fail unmutated; fix the suite first")
             return 2
         print(f"baseline: {len(tests)} tests pass unmutated ({time.monotonic() - start:.0f} s)")
-    rows, checked = [], False
-    for m in chosen:
-        t0 = time.monotonic()
-        tree = WORK / m.name
-        _copy(tree, files)
-        if not checked:
-            _check_imports_copy(tree)
-            checked = True
-        _apply(tree, m)
-        rc, out = _pytest(tree, m.tests)
-        failed_ids = set(re.findall(r"^(?:FAILED|ERROR) (\S+)", out, re.M))
-        failed = [t for t in m.tests if any(f == t or f.startswith(t + "[") for f in failed_ids)]
-        # pytest exit 1: tests ran and some failed. Anything else (0: all passed; 2-5: interrupted, internal or usage
-        # error, nothing collected; -1: timeout) is not a kill.
-        status = "yes" if rc == 1 else ("NO" if rc == 0 else f"ERROR (pytest exit {rc})")
-        rows.append((m, status, f"{len(failed)}/{len(m.tests)} failed", time.monotonic() - t0))
-        print(f"{m.name}: killed {status} ({rows[-1][2]}, {rows[-1][3]:.0f} s)", flush=True)
-        # Why: pytest's summary lines (a kill for the wrong reason, e.g. an import error, shows here), or the tail.
-        why = re.findall(r"^(?:FAILED|ERROR) .*$", out, re.M)
-        print("\n".join(f"    {line[:200]}" for line in why[:4]) if status == "yes" and why else
-              "\n".join(out.splitlines()[-25:]), flush=True)
-        shutil.rmtree(tree)
+    _check_imports_copy(_prepared(chosen[0], files, apply=False))
+    rows = []
+    # the slow ones (their tests compile, or start ranks) first, so that they overlap with the quick ones
+    slow_first = sorted(chosen, key=lambda m: not any(s in t for t in m.tests for s in SLOW_TESTS))
+    with concurrent.futures.ThreadPoolExecutor(PARALLEL) as pool:
+        for m, status, frac, secs, report in pool.map(lambda m: _run_mutant(m, files), slow_first):
+            rows.append((m, status, frac, secs))
+            print(f"{m.name}: killed {status} ({frac}, {secs:.0f} s)\n{report}", flush=True)
+    rows.sort(key=lambda r: chosen.index(r[0]))
     w = max(len(m.name) for m in chosen)
     print(f"\n{'mutation':<{w}}  killed  tests (failed/run)  seconds  tests run")
     for m, status, frac, secs in rows:

@@ -121,3 +121,27 @@ def test_stock_vllm_drafts_as_we_do_with_its_first_layer_k_norm_everywhere(pair,
     _compare(stock, _ours(pair, first_k_norm_only=True))
     # and that mistake is what costs vLLM its acceptance (if a vLLM release fixes it, this fails: docs to update)
     assert sum(_per_position(stock)) < sum(_per_position(ours)) - 10
+
+
+@pytest.mark.parametrize("pair_name", ["tiny", "chat"])
+def test_the_shipped_drafters_load_in_vllm_unmodified(pair_name, tmp_path):
+    """Each shipped drafter directory as it is, as vLLM's DFlash speculator: it starts, drafts, and its greedy
+    output is the target's (vLLM plain decoding here is the reference: same engine, no drafter)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_vllm import VllmEngine
+    from transformers import AutoTokenizer
+
+    from dflash_compile.assets import chat_pair_paths, tiny_pair_paths
+
+    t, d = tiny_pair_paths() if pair_name == "tiny" else chat_pair_paths()
+    tok = AutoTokenizer.from_pretrained(t)
+    prompt = tok("def fibonacci(n):")["input_ids"]
+    outs = {}
+    for name, draft in (("plain", None), ("dflash", d)):
+        engine = VllmEngine(VENV / "bin" / "python", VENV, t, draft, K, 1, 512, tmp_path / f"{name}.log")
+        try:
+            outs[name] = engine.run([prompt], 24, None, 1)
+        finally:
+            engine.close()
+    assert outs["dflash"][1] == outs["plain"][1]
+    assert outs["dflash"][2]["drafts"] > 0 and len(outs["dflash"][2]["per_position"]) == K
