@@ -127,6 +127,16 @@ class VllmEngine:
         self.log.close()
 
 
+def _shown(path) -> str:
+    """A path as the report shows it: relative to the repository when inside it (no machine's paths in results),
+    else relative to the user's cache folder, else its name."""
+    p = Path(path).resolve()
+    for root, label in ((REPO, ""), (Path.home() / ".cache", "~/.cache/")):
+        if p.is_relative_to(root):
+            return label + str(p.relative_to(root))
+    return p.name
+
+
 # ---------------------------------------------------------------------------------------------- main loop
 @torch.no_grad()
 def run(args) -> dict:
@@ -155,7 +165,9 @@ def run(args) -> dict:
     reference = [_new_tokens(target.generate(torch.tensor([p]), **hf.gen)[0, len(p):].tolist(), hf.eos)
                  for p in prompts]
     results = {"machine": f"{platform.machine()}, torch {torch.__version__}, transformers {transformers.__version__}",
-               "vllm": VLLM, "pair": [str(target_dir), str(draft_dir)], "args": vars(args), "rows": [],
+               "vllm": VLLM, "pair": [_shown(target_dir), _shown(draft_dir)],
+               "args": {k: _shown(v) if isinstance(v, str) and os.path.isabs(v) else v for k, v in vars(args).items()},
+               "rows": [],
                "vllm_start_s": {}}
     venv = Path(args.vllm_venv)
     python = vllm_python(venv) if any(m.startswith("vllm") for m in methods) else None
