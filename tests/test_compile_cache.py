@@ -251,6 +251,24 @@ def test_the_fingerprint_does_not_depend_on_where_the_model_was_loaded_from(tmp_
     assert fingerprint(spec, "dflash", None, {}) != first
 
 
+def test_a_wrapper_changes_folder_with_the_thread_count(tmp_path):
+    """A graph compiled after ``torch.set_num_threads(n)`` is saved under the folder of ``n`` threads, not under the
+    count the wrapper was compiled at: else a later process at the first count would load a graph its guards reject
+    (and compile it again, and save it back)."""
+    _, spec = _pair()
+    spec.compile(backend="dflash", cache_dir=tmp_path)
+    steps = spec.compiled_steps
+    threads = torch.get_num_threads()
+    first = steps.folder()
+    try:
+        torch.set_num_threads(threads + 1)
+        other = steps.folder()
+    finally:
+        torch.set_num_threads(threads)
+    assert other != first and other.parent == first.parent
+    assert steps.folder() == first
+
+
 def test_a_step_dynamo_cannot_package_compiles_in_process(monkeypatch, caplog, tmp_path):
     # When the ahead-of-time capture cannot package a step (an unpicklable object in its guard state), the key is
     # compiled the ordinary way and kept in memory, said once; tokens stay exact and nothing is saved.

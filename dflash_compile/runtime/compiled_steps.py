@@ -232,7 +232,7 @@ class CompiledSteps:
         self._fns: dict[StepKey, object] = {}
         self._checked: set[StepKey] = set()
         self._device = None  # (device, dtype) of the models the graphs were made for
-        self._folder: tuple | None = None  # ((device, dtype), folder, fingerprint)
+        self._folder: tuple | None = None  # ((device, dtype, threads), folder, fingerprint)
         self._said: set[str] = set()
         self.events: list[tuple[StepKey, str, float]] = []  # (key, "compiled" | "loaded" | "eager", seconds)
         self.listeners: list = []  # called as fn(key, how, seconds) with every event (the scheduler's timing)
@@ -413,10 +413,13 @@ class CompiledSteps:
         if self.cache_dir is None:
             return None
         p = next(self.spec.target.parameters())
-        if self._folder is None or self._folder[0] != (p.device, p.dtype):
+        # what the fingerprint reads from the process, not the wrapper: a graph compiled after
+        # torch.set_num_threads(n) is saved under (and loaded from) the folder of n threads
+        state = (p.device, p.dtype, torch.get_num_threads())
+        if self._folder is None or self._folder[0] != state:
             fp = fingerprint(self.spec, self.backend, self.mode, self.options, self.keys.regions)
             digest = hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:24]
-            self._folder = ((p.device, p.dtype), self.cache_dir / digest, fp)
+            self._folder = (state, self.cache_dir / digest, fp)
         return self._folder[1]
 
     def _header(self, key: StepKey) -> bytes:
