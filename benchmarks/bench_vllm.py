@@ -138,8 +138,8 @@ def _shown(path) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- main loop
-@torch.no_grad()
-def run(args) -> dict:
+def _choices(args) -> tuple[Path, Path, list[str], list[int], list[int]]:
+    """``(target_dir, draft_dir, methods, batch sizes, thread counts)`` from the command line."""
     from dflash_compile.assets import default_pair_paths, tiny_pair_paths
 
     if (args.target is None) != (args.draft is None):
@@ -152,6 +152,12 @@ def run(args) -> dict:
         raise SystemExit(f"unknown methods {unknown}; choose from {list(METHODS)}")
     batch_sizes = sorted({int(b) for b in args.batch_sizes.split(",")})
     threads = sorted({torch.get_num_threads() if t == "default" else int(t) for t in args.threads.split(",")})
+    return target_dir, draft_dir, methods, batch_sizes, threads
+
+
+@torch.no_grad()
+def run(args) -> dict:
+    target_dir, draft_dir, methods, batch_sizes, threads = _choices(args)
     tok = AutoTokenizer.from_pretrained(target_dir)
     chat = {"auto": bool(getattr(tok, "chat_template", None)), "chat": True, "raw": False}[args.format]
     texts = benchmark_prompts(args.prompts, max(max(2 * b, 8) for b in batch_sizes), tok, chat)
