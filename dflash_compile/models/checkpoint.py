@@ -104,11 +104,12 @@ def load(cls, path, dtype, device, num_target_layers: int | None, vocab_size: in
     expected = {names.get(k, k): v.shape for k, v in model.state_dict().items()}
     # A reduced draft vocabulary as vLLM reads it (lm_head, d2t offsets, t2d: speculators_format.vocab_map_weights);
     # authors-format drafters written before this layout hold draft_head and absolute d2t ids, read as they are.
-    vocab_map = dflash.draft_vocab_size is not None and (speculators or "draft_head.weight" not in _names(files))
+    header = _headers(path, files)
+    vocab_map = dflash.draft_vocab_size is not None and (speculators or "draft_head.weight" not in header)
     if vocab_map:
         expected["lm_head.weight"] = expected.pop("draft_head.weight")
         expected["t2d"] = torch.Size([config.vocab_size])
-    _check_headers(path, files, expected, vocab_map)
+    _check_headers(path, header, expected, vocab_map)
     state = _read_weights(path, files, vocab_map, config.vocab_size)
     model = model.to_empty(device=device or "cpu")
     ours = {v: k for k, v in names.items()}
@@ -150,16 +151,8 @@ def _read_config(path: Path, num_target_layers, vocab_size):
     return config, dflash, names, speculators
 
 
-def _names(files) -> set[str]:
-    names: set[str] = set()
-    for f in files:
-        with _safetensors(f) as st:
-            names.update(st.keys())
-    return names
-
-
-def _check_headers(path: Path, files, expected: dict, vocab_map: bool) -> None:
-    """Names, shapes and dtypes from the files' headers: nothing is read into memory before they check out."""
+def _headers(path: Path, files) -> dict[str, tuple[Path, tuple[int, ...], str]]:
+    """Each weight's (file, shape, dtype) from the files' headers (nothing is read into memory)."""
     header: dict[str, tuple[Path, tuple[int, ...], str]] = {}
     for f in files:
         with _safetensors(f) as st:
@@ -168,6 +161,11 @@ def _check_headers(path: Path, files, expected: dict, vocab_map: bool) -> None:
                     raise ValueError(f"weight {key!r} appears in more than one file of {path}")
                 tensor = st.get_slice(key)
                 header[key] = (f, tuple(tensor.get_shape()), tensor.get_dtype())
+    return header
+
+
+def _check_headers(path: Path, header: dict, expected: dict, vocab_map: bool) -> None:
+    """Names, shapes and dtypes from the files' headers: nothing is read into memory before they check out."""
     missing = sorted(set(expected) - set(header))
     unexpected = sorted(set(header) - set(expected))
     wrong = sorted(
