@@ -17,7 +17,7 @@ demo: $(VENV)/.installed
 	$(PY) examples/demo.py
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=30
 
 # Hand-made drafting bugs, each applied to a copy of the repository: fails unless the suite catches every one.
 mutants: $(VENV)/.installed

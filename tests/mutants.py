@@ -45,7 +45,7 @@ class Mutant:
 
 _DRAFT_QWEN3 = "tests/test_drafting.py::test_partly_right_drafter_is_accepted_as_far_as_it_is_right[qwen3]"
 _FROM_SCRATCH = "tests/test_drafting.py::test_wrapper_drafts_are_the_drafter_on_the_whole_context[qwen3-fixed]"
-_COMPILED = "tests/test_compiled_generate.py::test_compiled_equals_eager[qwen3-dflash]"
+_COMPILED = "tests/test_compiled_generate.py::test_compiled_equals_eager[qwen3]"
 _TINY_PAIR = "tests/test_tiny_pair.py::test_tiny_pair_speculates_as_well_as_measured"
 _LAW = "tests/test_sampling.py::test_sampled_law_matches_target"
 _FROM_SCRATCH_SWITCHING = _FROM_SCRATCH.replace("-fixed]", "-switching]")

@@ -3,9 +3,9 @@ set by hand so that a rank that dies is observed, not cleaned up by the launcher
 
 Modes:
 - ``greedy``: a padded batch through the wrapper over the ``tp_plan`` target, eager (``speculation="auto"``: each
-  rank times its own steps, so ranks must agree on every step's ``K``) then compiled with ``dflash`` (one graph per
-  key, the passes' counters); every row against the single-process ``target.generate``; the split drafter's
-  drafts, every step, against the whole drafter's in a single process.
+  rank times its own steps, so ranks must agree on every step's ``K``) then compiled with ``dflash`` (the starting
+  bucket's graph, one per key, the passes' counters); every row against the single-process ``target.generate``;
+  the split drafter's drafts, every step, against the whole drafter's in a single process.
 - ``sample``: seeded sampling at a fixed ``K`` against the single-process wrapper with the same seed; unseeded
   sampling with ``speculation="auto"`` through a second wrapper over the same (already split) drafter, the same on
   every rank.
@@ -93,8 +93,11 @@ def greedy(args, rank):
     result["eager_step_ks"] = out.step_ks if hasattr(out, "step_ks") else None
     spec.close()
     spec = _wrapper(target, num_speculative_tokens=3)
-    spec.compile("dflash", cache_dir=args.out / f"cache{rank}")
+    # the graph of the bucket the batch starts at; the steps after rows finish run eagerly (the smaller buckets'
+    # graphs are the same code at another batch size, and each costs a compile on both ranks)
+    spec.compile("dflash", cache_dir=args.out / f"cache{rank}", on_miss="eager")
     counters.clear()
+    spec.precompile([len(prompts)], progress=False)
     out = spec.generate(prompts, max_new_tokens=NEW, pad_token_id=PAD)
     result["compiled"] = _rows(out, prompts)
     result["passes"] = dict(counters["dflash"])
