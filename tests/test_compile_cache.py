@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -181,6 +182,24 @@ def test_precompile_compiles_every_key_up_front_with_progress(capsys):
     assert len(backend.graphs) == 4
     with pytest.raises(ValueError, match="batch_sizes"):
         spec.precompile(batch_sizes=[3])
+
+
+def test_callers_readying_the_same_graphs_at_once_compile_each_once():
+    # clients submitting together each ready their batch's graphs (graphs_ready), and a precompile may ask for the
+    # same key meanwhile: one of them makes each graph, the others wait for it and find it ready
+    _, spec = _pair()
+    backend = CountingBackend()
+    spec.compile(backend=backend)
+    steps = spec.compiled_steps
+    key = steps.keys.keys_for([2], False)[0]
+    calls = [lambda: steps.ready(2, "both") for _ in range(4)] + [lambda: steps.prepare(key, *steps.keys.example(key))]
+    threads = [threading.Thread(target=c) for c in calls]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(backend.graphs) == [1, 1, 2, 2]
+    assert sorted(how for _, how, _ in steps.events) == ["compiled"] * 4
 
 
 def test_precompile_needs_compile():

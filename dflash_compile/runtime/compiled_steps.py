@@ -70,10 +70,11 @@ def default_cache_dir() -> Path:
 
 @functools.cache
 def _package_source_hash() -> str:
-    """SHA-256 of this package's Python sources: any change to the step, the passes or the lowerings changes it."""
-    root = Path(__file__).parent
+    """SHA-256 of this package's sources (Python and the C++ kernels): any change to the step, the passes or the
+    lowerings changes it."""
+    root = Path(__file__).parents[1]
     h = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
+    for path in sorted([*root.rglob("*.py"), *root.rglob("*.cpp")]):
         h.update(str(path.relative_to(root)).encode())
         h.update(path.read_bytes())
     return h.hexdigest()
@@ -237,6 +238,9 @@ class CompiledSteps:
         self.events: list[tuple[StepKey, str, float]] = []  # (key, "compiled" | "loaded" | "eager", seconds)
         self.listeners: list = []  # called as fn(key, how, seconds) with every event (the scheduler's timing)
         self._background: dict[StepKey, threading.Thread | None] = {}  # keys compiling (None: that failed)
+        # held while a missing graph is loaded or compiled: callers asking for the same key at once (clients
+        # readying their batch, the scheduler's step) wait for the one that makes it instead of making it again
+        self._obtaining = threading.RLock()
 
     def __reduce__(self):
         # Dynamo pickles the wrapper's state with a saved graph's guards; the compiled graphs this object holds (and
@@ -278,9 +282,10 @@ class CompiledSteps:
         if self.on_miss == "compile":
             self._prepare_all(missing, progress=True)
             return
-        for key in missing:
-            if self._load(key) is None:
-                self._compile_in_background(key)
+        with self._obtaining:
+            for key in missing:
+                if key not in self._fns and key not in self._background and self._load(key) is None:
+                    self._compile_in_background(key)
 
     def _prepare_all(self, keys: list[StepKey], progress: bool) -> dict:
         from tqdm.auto import tqdm
@@ -300,7 +305,11 @@ class CompiledSteps:
         self._check_device()
         fn = self._fns.get(key)
         if fn is None:
-            fn = self._load(key)
+            with self._obtaining:
+                fn = self._fns.get(key)
+                fn = self._load(key) if fn is None else fn
+                if fn is None and self.on_miss == "compile":
+                    fn = self._compile(key, args, kwargs)
             if fn is None:
                 if self.on_miss in ("eager", "background"):
                     if self.on_miss == "background" and key not in self._background:
@@ -309,10 +318,8 @@ class CompiledSteps:
                     out = self.spec.dflash_step(*args, **kwargs)
                     self._record(key, "eager", time.perf_counter() - start)
                     return out
-                if self.on_miss == "error":
-                    raise RuntimeError(f"no compiled step for {key} (on_miss='error'): precompile it first, with "
-                                       f"spec.precompile(...)")
-                fn = self._compile(key, args, kwargs)
+                raise RuntimeError(f"no compiled step for {key} (on_miss='error'): precompile it first, with "
+                                   f"spec.precompile(...)")
         if key not in self._checked:  # a loaded entry answers to its own guards once; then the key fixes the shapes
             if not fn.guard_check(*args, **kwargs):
                 debug = fn._artifacts.guard_manager.check_verbose(fn.prepare_f_locals(*args, **kwargs))
@@ -369,12 +376,12 @@ class CompiledSteps:
         thread = self._background.get(key)
         if thread is not None:  # being compiled in the background: wait for it
             thread.join()
-        if key in self._fns:
-            return "ready", 0.0
-        fn = self._load(key)
-        if fn is None:
-            self._compile(key, args, kwargs)
-        _, how, seconds = next(e for e in reversed(self.events) if e[0] == key)
+        with self._obtaining:
+            if key in self._fns:
+                return "ready", 0.0
+            if self._load(key) is None:
+                self._compile(key, args, kwargs)
+            _, how, seconds = next(e for e in reversed(self.events) if e[0] == key)
         return how, seconds
 
     # ------------------------------------------------------------------ compile, save, load
