@@ -251,14 +251,41 @@ def lower(gm: torch.fx.GraphModule, example_inputs) -> torch.fx.GraphModule:
     table = lowering_table(next(iter(kinds))) if len(kinds) == 1 else {}
     ops = {n.target for m in graph_modules(gm) for n in m.graph.nodes
            if n.op == "call_function" and str(n.target).startswith("dflash.")}
-    if not ops:
-        return gm
-    if not table:
+    if ops and not table:
         _say_once(f"no-lowering-{sorted(kinds)}", "dflash: no lowering for graphs on %s; %s run as custom ops",
                   sorted(kinds), sorted(map(str, ops)))
-        return gm
-    with dynamo_timed("dflash.lower"):
-        return _retrace(gm, example_inputs, table)
+    if ops and table:
+        with dynamo_timed("dflash.lower"):
+            gm = _retrace(gm, example_inputs, table)
+    if kinds == {"cpu"}:
+        row_linears(gm)
+    return gm
+
+
+def row_linears(gm: torch.fx.GraphModule) -> int:
+    """CPU graphs: every fp32 ``aten.linear`` of ``gm`` and its subgraphs calls ``dflash_cpu.row_linear`` instead
+    (the same function, with a kernel of its own for the few rows a speculative step has:
+    ``lowerings/cpu/row_linear.py``); counted in ``counters["dflash_lowering"]["row_linear"]``. Left as they are
+    when the kernel cannot be built here (said once) or ``DFLASH_ROW_LINEAR=0``."""
+    from .lowerings.cpu import row_linear
+    from .passes import graph_modules
+
+    linear = torch.ops.aten.linear.default
+    nodes = [n for m in graph_modules(gm) for n in m.graph.find_nodes(op="call_function", target=linear)
+             if _fp32_cpu(n.args[0]) and _fp32_cpu(n.args[1])]
+    if not nodes or not row_linear.enabled() or not row_linear.load():
+        return 0
+    for node in nodes:
+        node.target = torch.ops.dflash_cpu.row_linear.default
+    for m in graph_modules(gm):
+        m.recompile()
+    counters["dflash_lowering"]["row_linear"] += len(nodes)
+    return len(nodes)
+
+
+def _fp32_cpu(node) -> bool:
+    v = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return isinstance(v, torch.Tensor) and v.dtype == torch.float32 and v.device.type == "cpu"
 
 
 def inductor_options(device_types: set[str], options: dict | None = None, regions: bool = False) -> dict:

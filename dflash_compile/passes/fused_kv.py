@@ -11,12 +11,14 @@ back to ``[L, B, S, Hkv, D]``.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch._inductor.pattern_matcher import Match, PatternMatcherPass, register_replacement
 
 from ..lowerings import ops  # noqa: F401  (registers torch.ops.dflash.*)
 from ..primitives.kv_projection import context_kv
-from ._common import DFlashPass, same_shape, trace_pre_dispatch, val
+from ._common import DFlashPass, aten, same_shape, trace_pre_dispatch, val
 
 
 # ---- search pattern: the drafter's own maths (``primitives.kv_projection.context_kv``), traced
@@ -60,4 +62,34 @@ class FusedKVProjPass(DFlashPass):
                                  extra_check=_extra_check, scalar_workaround={"eps": 1e-6})
 
     def apply(self, graph):
-        return self.patterns.apply(graph)
+        n = self.patterns.apply(graph)
+        for fused in graph.find_nodes(op="call_function", target=torch.ops.dflash.fused_kv_proj.default):
+            _wire_v(graph, fused)
+        return n
+
+
+def _wire_v(graph: torch.fx.Graph, fused: torch.fx.Node) -> None:
+    """Point the readers of the matched V at the op's second output.
+
+    The pattern matcher replaces a multi-output pattern's outputs only where the pattern's output node is the
+    matched graph's own: V (``kv[1]``, a ``select`` of the permuted projection) stayed an output of the original
+    stacked ``linear``, which then ran beside the op for V alone (every step computed the context rows' K/V matmul
+    twice). Here each ``select(permute(view(linear(ctx, weight))), 0, 1)`` over the op's own ``ctx`` and ``weight``
+    reads the op's V instead, viewed as the replacement views K (``[L, B, S, Hkv, D]``); the linear is then dead."""
+    reshape, weight = fused.args[0], fused.args[1]
+    k_views = [v for g in fused.users if g.target is operator.getitem and g.args[1] == 0
+               for v in g.users if v.target == aten.view.default]
+    if not (isinstance(reshape, torch.fx.Node) and reshape.target == aten.reshape.default and k_views):
+        return
+    selects = [sel for linear in reshape.args[0].users
+               if linear.target == aten.linear.default and linear.args[1] is weight and len(linear.args) == 2
+               for view in linear.users for permute in view.users if permute.target == aten.permute.default
+               for sel in permute.users if sel.target == aten.select.int and tuple(sel.args[1:]) == (0, 1)]
+    for sel in selects:
+        with graph.inserting_after(k_views[0]):
+            v = graph.call_function(operator.getitem, (fused, 1))
+        with graph.inserting_after(v):
+            viewed = graph.call_function(aten.view.default, (v, k_views[0].args[1]))
+        v.meta["val"] = val(fused)[1] if val(fused) is not None else None
+        viewed.meta["val"] = val(sel)
+        sel.replace_all_uses_with(viewed)

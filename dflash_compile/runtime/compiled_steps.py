@@ -81,21 +81,13 @@ def _package_source_hash() -> str:
 
 
 def _device_tag(device: torch.device) -> str:
+    from ..lowerings.cpu.host import cpu_flags_digest
+
     if device.type == "cuda":
         return f"cuda:{torch.cuda.get_device_name(device)}:{torch.cuda.get_device_capability(device)}"
     if device.type == "cpu":  # the instruction sets the compiled C++ may use: the CPU's feature flags
-        return f"cpu:{platform.machine()}:{torch.backends.cpu.get_cpu_capability()}:{_cpu_flags()}"
+        return f"cpu:{platform.machine()}:{torch.backends.cpu.get_cpu_capability()}:{cpu_flags_digest()}"
     return device.type
-
-
-@functools.cache
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1] for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        flags = platform.processor()
-    return hashlib.sha256(" ".join(sorted(flags.split())).encode()).hexdigest()[:16]
 
 
 def _config_json(config) -> str:
@@ -135,7 +127,16 @@ def fingerprint(spec, backend: str, mode, options: dict, regions: bool = False) 
         "geometry": [spec.max_batch_size, spec.max_seq_len, spec.page_size],
         # each rank of a tensor-parallel target compiles its own graph (its shards, its collectives)
         "tensor_parallel": [spec.tp.rank, spec.tp.world] if spec.tp is not None else None,
+        # CPU graphs call the row_linear kernel (built for this CPU) unless it is switched off or cannot be built
+        "row_linear": (_row_linear_state() if p.device.type == "cpu" and backend in ("dflash", "dflash_neuron")
+                       else None),
     }
+
+
+def _row_linear_state() -> str:
+    from ..lowerings.cpu import row_linear
+
+    return row_linear.state()
 
 
 class _InMemory(torch._dynamo.aot_compile_types.SerializableCallable):
@@ -470,6 +471,8 @@ class CompiledSteps:
         try:
             blob = path.read_bytes()
             payload = self._unwrap(key, blob)
+            if self.backend in ("dflash", "dflash_neuron") and next(self.spec.target.parameters()).device.type == "cpu":
+                _row_linear_state()  # registers torch.ops.dflash_cpu.row_linear, which the saved graph may call
             with _TRACING, self._inductor_cache(), torch._inductor.config.patch(self._load_options()):
                 fn = torch.compiler.load_compiled_function(io.BytesIO(payload), external_data={"step": self.spec.dflash_step})
         except Exception as e:  # a damaged or foreign entry never stops a request: compile instead

@@ -1,0 +1,143 @@
+"""The CPU lowering's ``row_linear`` kernel against MKL's fp32 linear, and the compiled step with it and without it.
+
+    python benchmarks/bench_row_linear.py [--rows 1 2 3 4 8 9 16] [--ks 0 1 3 7] [--repeats 7] [--no-step]
+
+1. The op alone: every linear of SmolLM2-135M-Instruct's 30 layers and its vocabulary projection, each with
+   weights of its own (538 MB: streamed from memory, as in a step), random values, one call of each per pass; the
+   median over ``--repeats`` passes of ``dflash_cpu.row_linear`` and of ``F.linear``, interleaved, per row count.
+2. The default pair's compiled step (SmolLM2 and its drafter, batch 1, a 128-token prompt): compiled with the
+   kernel and with ``DFLASH_ROW_LINEAR=0`` (``aten.linear`` kept), each K timed through the same graphs, the two
+   wrappers interleaved; ms per step, median of ``--repeats``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+SHAPES = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]  # q k v o gate up down
+
+
+def op_table(rows: list[int], repeats: int) -> list[dict]:
+    from dflash_compile.lowerings.cpu import row_linear
+
+    assert row_linear.load(), "the row_linear kernel could not be built here"
+    op = torch.ops.dflash_cpu.row_linear
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.randn(n, k, generator=g) for _ in range(30) for n, k in SHAPES]
+    weights.append(torch.randn(49152, 576, generator=g))
+    out = []
+    for m in rows:
+        xs = {k: torch.randn(m, k, generator=g) for k in (576, 1536)}
+
+        def one_pass(fn):
+            t0 = time.perf_counter()
+            for w in weights:
+                fn(xs[w.shape[1]], w)
+            return time.perf_counter() - t0
+
+        times = {"mkl": [], "row_linear": []}
+        one_pass(torch.nn.functional.linear), one_pass(op)  # warm-up
+        for _ in range(repeats):
+            times["mkl"].append(one_pass(torch.nn.functional.linear))
+            times["row_linear"].append(one_pass(op))
+        err = max((op(xs[w.shape[1]], w) - torch.nn.functional.linear(xs[w.shape[1]], w)).abs().max().item()
+                  for w in weights[:7] + weights[-1:])
+        r = {"rows": m, **{k: statistics.median(v) * 1e3 for k, v in times.items()}, "max_abs_diff": err}
+        r["speedup"] = r["mkl"] / r["row_linear"]
+        print(f"rows {m:2d}: MKL {r['mkl']:.1f} ms, row_linear {r['row_linear']:.1f} ms ({r['speedup']:.2f}x), "
+              f"max |diff| {err:.1e}", flush=True)
+        out.append(r)
+    return out
+
+
+def step_table(ks: list[int], repeats: int) -> list[dict]:
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from bench_step import step_inputs
+    from transformers import AutoModelForCausalLM
+
+    from dflash_compile import DFlashDraftModel, DFlashSpecWrapper
+    from dflash_compile.assets import default_pair_paths
+
+    t, d = default_pair_paths()
+    target = AutoModelForCausalLM.from_pretrained(t, dtype=torch.float32).eval()
+    draft = DFlashDraftModel.from_pretrained(d, dtype=torch.float32)
+    specs, inputs = {}, {}
+    cache = Path(tempfile.mkdtemp(prefix="bench_row_linear-"))
+    for name, flag in (("row_linear", "1"), ("aten.linear", "0")):
+        os.environ["DFLASH_ROW_LINEAR"] = flag
+        spec = DFlashSpecWrapper(target, draft, speculation="fixed", max_batch_size=1, max_seq_len=512)
+        spec.compile(backend="dflash", fullgraph=True, cache_dir=cache / name)
+        block, *rest = step_inputs(spec, 1, 128)
+        with torch.no_grad():
+            for k in ks:  # compiles the K = 0 graph and the one graph of every K >= 1
+                t0 = time.perf_counter()
+                spec.step(block[:, : k + 1].contiguous(), *rest)
+                print(f"{name}: K {k} first call {time.perf_counter() - t0:.1f} s", flush=True)
+        from torch._dynamo.utils import counters
+
+        print(f"{name}: linears lowered to row_linear so far: {counters['dflash_lowering']['row_linear']}", flush=True)
+        specs[name], inputs[name] = spec, (block, rest)
+    os.environ.pop("DFLASH_ROW_LINEAR", None)
+    out = []
+    for k in ks:
+        times = {name: [] for name in specs}
+        with torch.no_grad():
+            for _ in range(repeats):
+                for name, spec in specs.items():
+                    block, rest = inputs[name]
+                    args = (block[:, : k + 1].contiguous(), *rest)
+                    spec.step(*args)  # warm
+                    t0 = time.perf_counter()
+                    spec.step(*args)
+                    times[name].append(time.perf_counter() - t0)
+        r = {"K": k, **{n: statistics.median(v) * 1e3 for n, v in times.items()}}
+        print(f"step K {k}: row_linear {r['row_linear']:.1f} ms, aten.linear {r['aten.linear']:.1f} ms "
+              f"({r['aten.linear'] / r['row_linear']:.2f}x)", flush=True)
+        out.append(r)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 8, 9, 16])
+    p.add_argument("--ks", type=int, nargs="+", default=[0, 1, 3, 7])
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--no-step", action="store_true", help="the op alone, not the compiled step")
+    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "bench_row_linear.json"))
+    args = p.parse_args()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    result = {"threads": torch.get_num_threads(), "op": op_table(args.rows, args.repeats)}
+    if not args.no_step:
+        result["step"] = step_table(args.ks, args.repeats)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    Path(args.out).with_suffix(".md").write_text(markdown(result))
+
+
+def markdown(result: dict) -> str:
+    lines = [f"`benchmarks/bench_row_linear.py`, {result['threads']} thread(s), fp32, median of the interleaved "
+             "passes.",
+             "", ("Every linear of SmolLM2-135M-Instruct (30 layers and the vocabulary projection, 538 MB, random "
+                  "weights, streamed from memory), ms per pass:"), "",
+             "| rows | MKL (`F.linear`) | `row_linear` | speed-up | max abs diff |", "|---|---|---|---|---|"]
+    lines += [f"| {r['rows']} | {r['mkl']:.1f} | {r['row_linear']:.1f} | {r['speedup']:.2f}x | "
+              f"{r['max_abs_diff']:.1e} |" for r in result["op"]]
+    if "step" in result:
+        lines += ["", "The default pair's compiled step, batch 1, 128-token prompt, ms per step:", "",
+                  "| K | `row_linear` | `aten.linear` (`DFLASH_ROW_LINEAR=0`) | speed-up |", "|---|---|---|---|"]
+        lines += [f"| {r['K']} | {r['row_linear']:.1f} | {r['aten.linear']:.1f} | "
+                  f"{r['aten.linear'] / r['row_linear']:.2f}x |" for r in result["step"]]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,225 @@
+// dflash_cpu::row_linear(x, weight, bias) = F.linear(x, weight, bias) for fp32 CPU tensors, with a kernel of its own
+// for the row counts a speculative step has (a few rows per request: the verified block, the drafter's block).
+//
+// Why: at 2-32 rows MKL's fp32 GEMM runs far below the rate at which the weights stream from memory (SmolLM2-135M's
+// linears, one thread: 40 ms for one row, 93 ms for eight; docs/benchmarks.md), while a linear with that few rows
+// is memory-bound. The kernel reads the weight from a packed copy (panels of kLanes output columns, each panel's
+// K rows of kLanes floats contiguous), so one pass streams it once, in order, and each loaded vector of weights is
+// multiplied by every input row (one broadcast multiply-add per row): no horizontal sums, no strided reads.
+//
+// The packed copy of a weight is made at its first call and kept (as much memory again as the weight) while the
+// weight's storage lives; it is made again when the weight changes in place (its version counter) or another tensor
+// takes its address. Outside kMinRows..kMaxRows rows, and for other dtypes, layouts or devices and inference tensors
+// (no version counter), the op calls at::linear itself. It has no derivative: with grad mode on, an input that
+// requires grad is an error.
+//
+// Built on first use with the host compiler for the host CPU (-march=native: GCC's vector types become AVX-512,
+// AVX2 or what the machine has); see row_linear.py.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/core/Storage.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <mutex>
+#include <unordered_map>
+
+namespace {
+
+constexpr int64_t kMinRows = DFLASH_ROW_LINEAR_MIN_ROWS;
+constexpr int64_t kMaxRows = DFLASH_ROW_LINEAR_MAX_ROWS;
+#ifdef __AVX512F__
+constexpr int kLanes = 16;    // one zmm register
+constexpr int kRowChunk = 8;  // rows per pass over a panel pair: 8 x 2 accumulators of the 32 registers
+#else
+constexpr int kLanes = 8;     // one ymm register (AVX2), or what GCC makes of it elsewhere
+constexpr int kRowChunk = 4;  // 4 x 2 accumulators of 16 registers
+#endif
+constexpr int kPanels = 2;    // panels dotted together: each input value loaded once for 2 * kLanes columns
+typedef float vec __attribute__((vector_size(kLanes * sizeof(float))));
+
+inline vec load(const float* p) {
+  vec v;
+  __builtin_memcpy(&v, p, sizeof(vec));
+  return v;
+}
+
+// ------------------------------------------------------------------------------------------------ packed weights
+// packed[p][k][j] = weight[p * kLanes + j][k] (zero past the last row): [ceil(N / kLanes), K, kLanes]
+at::Tensor pack(const at::Tensor& weight) {
+  const int64_t N = weight.size(0), K = weight.size(1), P = (N + kLanes - 1) / kLanes;
+  at::Tensor packed = at::empty({P, K, kLanes}, weight.options());
+  const float* src = weight.data_ptr<float>();
+  float* dst = packed.data_ptr<float>();
+  at::parallel_for(0, P, 8, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      for (int j = 0; j < kLanes; ++j) {
+        const int64_t n = p * kLanes + j;
+        float* d = dst + p * K * kLanes + j;
+        if (n < N)
+          for (int64_t k = 0; k < K; ++k) d[k * kLanes] = src[n * K + k];
+        else
+          for (int64_t k = 0; k < K; ++k) d[k * kLanes] = 0.f;
+      }
+  });
+  return packed;
+}
+
+struct Packed {
+  c10::weak_intrusive_ptr<c10::StorageImpl> storage;  // expired: the weight is gone (its address may be reused)
+  int64_t version, N, K;
+  at::Tensor packed;
+};
+
+std::mutex cache_mutex;
+std::unordered_map<const void*, Packed> cache;
+
+at::Tensor packed_for(const at::Tensor& weight) {
+  std::lock_guard<std::mutex> lock(cache_mutex);
+  const void* key = weight.data_ptr();
+  const int64_t version = weight._version();
+  auto it = cache.find(key);
+  if (it != cache.end() && !it->second.storage.expired() && it->second.version == version &&
+      it->second.N == weight.size(0) && it->second.K == weight.size(1))
+    return it->second.packed;
+  for (auto e = cache.begin(); e != cache.end();) e = e->second.storage.expired() ? cache.erase(e) : std::next(e);
+  Packed entry{weight.storage().getWeakStorageImpl(), version, weight.size(0), weight.size(1), pack(weight)};
+  cache.insert_or_assign(key, entry);
+  return entry.packed;
+}
+
+// ------------------------------------------------------------------------------------------------ the kernel
+// out[0:MC, columns of panels p .. p + NP) = x[0:MC] . weight^T (+ bias), the panels read once.
+template <int MC, int NP>
+void panels(const float* x, const float* packed, const float* bias, float* out, int64_t N, int64_t K, int64_t p) {
+  vec acc[MC][NP];
+  for (int m = 0; m < MC; ++m)
+    for (int q = 0; q < NP; ++q) acc[m][q] = vec{};
+  const float* w = packed + p * K * kLanes;
+  for (int64_t k = 0; k < K; ++k) {
+    vec wv[NP];
+    for (int q = 0; q < NP; ++q) wv[q] = load(w + (q * K + k) * kLanes);
+    for (int m = 0; m < MC; ++m) {
+      const float xv = x[m * K + k];
+      for (int q = 0; q < NP; ++q) acc[m][q] += xv * wv[q];
+    }
+  }
+  for (int q = 0; q < NP; ++q) {
+    const int64_t n0 = (p + q) * kLanes;
+    const int cols = static_cast<int>(std::min<int64_t>(kLanes, N - n0));
+    for (int m = 0; m < MC; ++m) {
+      vec v = acc[m][q];
+      if (bias)
+        for (int j = 0; j < cols; ++j) v[j] += bias[n0 + j];
+      if (cols == kLanes)
+        __builtin_memcpy(out + m * N + n0, &v, sizeof(vec));
+      else
+        for (int j = 0; j < cols; ++j) out[m * N + n0 + j] = v[j];
+    }
+  }
+}
+
+template <int MC>
+void panels_np(int np, const float* x, const float* packed, const float* bias, float* out, int64_t N, int64_t K,
+               int64_t p) {
+  if (np == kPanels)
+    panels<MC, kPanels>(x, packed, bias, out, N, K, p);
+  else
+    panels<MC, 1>(x, packed, bias, out, N, K, p);
+}
+
+template <int... Ms>
+struct Rows;
+template <>
+struct Rows<> {
+  static void run(int64_t, int, const float*, const float*, const float*, float*, int64_t, int64_t, int64_t) {}
+};
+template <int M, int... Ms>
+struct Rows<M, Ms...> {
+  static void run(int64_t mc, int np, const float* x, const float* packed, const float* bias, float* out, int64_t N,
+                  int64_t K, int64_t p) {
+    if (mc == M)
+      panels_np<M>(np, x, packed, bias, out, N, K, p);
+    else
+      Rows<Ms...>::run(mc, np, x, packed, bias, out, N, K, p);
+  }
+};
+
+void run(int64_t rows, const float* x, const float* packed, const float* bias, float* out, int64_t N, int64_t K) {
+  const int64_t P = (N + kLanes - 1) / kLanes, groups = (P + kPanels - 1) / kPanels;
+  // a task: ~64 KB of packed weights; every row chunk of a panel pair while it is in the cache
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(K * kLanes * kPanels / 16, 1));
+  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t p = g * kPanels;
+      const int np = static_cast<int>(std::min<int64_t>(kPanels, P - p));
+      for (int64_t r = 0; r < rows; r += kRowChunk) {
+        const int64_t mc = std::min<int64_t>(kRowChunk, rows - r);
+#ifdef __AVX512F__
+        Rows<1, 2, 3, 4, 5, 6, 7, 8>::run(mc, np, x + r * K, packed, bias, out + r * N, N, K, p);
+#else
+        Rows<1, 2, 3, 4>::run(mc, np, x + r * K, packed, bias, out + r * N, N, K, p);
+#endif
+      }
+    }
+  });
+}
+
+bool takes(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  if (x.device().type() != at::kCPU || x.scalar_type() != at::kFloat || weight.scalar_type() != at::kFloat ||
+      weight.device().type() != at::kCPU || weight.dim() != 2 || !weight.is_contiguous() || x.dim() < 1 ||
+      x.size(-1) != weight.size(1) || weight.size(1) == 0 || weight.is_inference() || x.layout() != at::kStrided ||
+      weight.layout() != at::kStrided)
+    return false;
+  if (bias && (bias->scalar_type() != at::kFloat || !bias->is_contiguous() || bias->dim() != 1 ||
+               bias->size(0) != weight.size(0) || bias->device().type() != at::kCPU))
+    return false;
+  const int64_t rows = x.numel() / x.size(-1);
+  return rows >= kMinRows && rows <= kMaxRows;
+}
+
+at::Tensor row_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  // no derivative: a call that autograd would have to record is an error, never a result without a gradient
+  TORCH_CHECK(!at::GradMode::is_enabled() ||
+                  !(x.requires_grad() || weight.requires_grad() || (bias && bias->requires_grad())),
+              "dflash_cpu::row_linear has no derivative: call it under torch.no_grad() (the compiled step does)");
+  if (!takes(x, weight, bias)) return at::linear(x, weight, bias);
+  const int64_t K = weight.size(1), N = weight.size(0);
+  const at::Tensor x2 = x.reshape({-1, K}).contiguous();
+  const at::Tensor packed = packed_for(weight);
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  at::Tensor out = at::empty({x2.size(0), N}, x.options());
+  run(x2.size(0), x2.data_ptr<float>(), packed.data_ptr<float>(), bias ? bias->data_ptr<float>() : nullptr,
+      out.data_ptr<float>(), N, K);
+  return out.view(sizes);
+}
+
+// The packed copies the op holds now: (weights, bytes); for tests and the memory figure in the docs.
+std::tuple<int64_t, int64_t> packed_weights() {
+  std::lock_guard<std::mutex> lock(cache_mutex);
+  int64_t n = 0, bytes = 0;
+  for (const auto& e : cache)
+    if (!e.second.storage.expired()) ++n, bytes += e.second.packed.numel() * 4;
+  return {n, bytes};
+}
+
+at::Tensor row_linear_meta(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  auto sizes = x.sym_sizes().vec();
+  sizes.back() = weight.sym_size(0);
+  return at::empty_symint(sizes, x.options());
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(dflash_cpu, m) {
+  m.def("row_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
+  m.def("row_linear_packed_weights() -> (int, int)");
+}
+
+TORCH_LIBRARY_IMPL(dflash_cpu, CPU, m) { m.impl("row_linear", row_linear); }
+TORCH_LIBRARY_IMPL(dflash_cpu, Meta, m) { m.impl("row_linear", row_linear_meta); }
+TORCH_LIBRARY_IMPL(dflash_cpu, CompositeExplicitAutograd, m) {
+  m.impl("row_linear_packed_weights", packed_weights);
+}

@@ -1,0 +1,113 @@
+"""``torch.ops.dflash_cpu.row_linear``: fp32 CPU linears with few rows, at the rate the weights stream from memory.
+
+The C++ kernel (``row_linear.cpp``) is built once per machine on first use, with the host compiler for the host
+CPU, through ``torch.utils.cpp_extension`` (ninja), into a cache folder of its own (``build_dir``); later processes
+load the built library in milliseconds. ``load()`` returns whether the op is registered; when it cannot be built
+(no compiler, a build error) it says why once in the log and returns False, and the CPU lowering then keeps
+``aten.linear`` (``backends.row_linears``).
+
+The op computes ``F.linear(x, weight, bias)``. For fp32 CPU inputs with ``MIN_ROWS`` to ``MAX_ROWS`` rows (``x``'s
+leading dimensions flattened) it streams a packed copy of the weight once and multiplies each loaded vector by every
+input row, in fp32 with another summation order than MKL's (equal to rounding, not bit for bit; a row's result does
+not depend on the thread count or on the other rows); anything else goes to ``at::linear`` itself. Memory: the
+packed copy of each weight it has multiplied, as large as the weight, kept while the weight lives and made again
+when the weight changes in place (``packed_weights()`` reports them).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+from .host import cpu_flags_digest
+
+log = logging.getLogger(__name__)
+
+#: The row counts the kernel of its own runs (outside them, ``at::linear``). On this project's CPU, one thread, every
+#: linear of SmolLM2-135M streamed from memory once (538 MB): MKL 46 / 76 / 103 / 104 ms at 2 / 4 / 8 / 16 rows, the
+#: kernel 41 / 44 / 52 / 70 (``benchmarks/bench_row_linear.py``); from ~64 rows MKL's GEMM is compute-efficient and the
+#: two are even. One row stays MKL's: as fast, and plain decoding at batch 1 then stays bit for bit HF's own.
+MIN_ROWS, MAX_ROWS = 2, 32
+SOURCE = Path(__file__).with_name("row_linear.cpp")
+_lock = threading.Lock()
+_state: dict = {}
+
+
+def build_dir() -> Path:
+    """Where the library is built: ``$DFLASH_EXTENSIONS_DIR``, else ``$XDG_CACHE_HOME/dflash_compile/extensions``
+    (``~/.cache`` without it), one folder per source, torch version and CPU (the build targets the host CPU). Not
+    the compile cache, which tests and users move per run: the library does not depend on any model."""
+    if os.environ.get("DFLASH_EXTENSIONS_DIR"):
+        return Path(os.environ["DFLASH_EXTENSIONS_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dflash_compile" / "extensions"
+
+
+def _cflags() -> list[str]:
+    # DFLASH_ROW_LINEAR_CFLAGS adds compiler flags (the tests build the AVX2 form on an AVX-512 machine with
+    # "-mno-avx512f", in a process of its own)
+    return ["-O3", "-march=native", "-ffp-contract=fast", f"-DDFLASH_ROW_LINEAR_MIN_ROWS={MIN_ROWS}",
+            f"-DDFLASH_ROW_LINEAR_MAX_ROWS={MAX_ROWS}", *os.environ.get("DFLASH_ROW_LINEAR_CFLAGS", "").split()]
+
+
+def library_name() -> str:
+    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + cpu_flags_digest().encode()
+                            + " ".join(_cflags()).encode()).hexdigest()[:12]
+    return f"dflash_row_linear_{digest}"
+
+
+def load() -> bool:
+    """Register ``torch.ops.dflash_cpu.row_linear`` (building it first if this machine has not): True when it is
+    registered, False (said once) when it cannot be built."""
+    with _lock:
+        if "ok" in _state:
+            return _state["ok"]
+        if hasattr(torch.ops, "dflash_cpu") and hasattr(torch.ops.dflash_cpu, "row_linear"):
+            _state["ok"] = True
+            return True
+        try:
+            from torch.utils import cpp_extension
+
+            name = library_name()
+            directory = build_dir() / name
+            directory.mkdir(parents=True, exist_ok=True)
+            if not any(directory.glob("*.so")):
+                log.warning("dflash: building the row_linear CPU kernel for this machine (once, ~30 s) in %s",
+                            directory)
+            cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(directory),
+                               extra_cflags=_cflags(),
+                               is_python_module=False, verbose=bool(os.environ.get("DFLASH_VERBOSE_BUILD")))
+            _state["ok"] = True
+        except Exception as e:  # no compiler or ninja, a build error: the lowering keeps aten.linear
+            log.warning("dflash: the row_linear CPU kernel could not be built (%s: %s); CPU step graphs keep "
+                        "aten.linear", type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            _state["ok"] = False
+        return _state["ok"]
+
+
+def packed_weights() -> tuple[int, int]:
+    """The packed weight copies the kernel holds now: ``(weights, bytes)`` (0, 0 when it is not loaded)."""
+    if not load():
+        return 0, 0
+    n, nbytes = torch.ops.dflash_cpu.row_linear_packed_weights()
+    return int(n), int(nbytes)
+
+
+def enabled() -> bool:
+    """False when ``DFLASH_ROW_LINEAR=0`` switches the kernel off (the CPU lowering then keeps ``aten.linear``)."""
+    return os.environ.get("DFLASH_ROW_LINEAR", "1") != "0"
+
+
+def state() -> str:
+    """What CPU step graphs call for fp32 linears here: the library's name (it names the source, torch and CPU it
+    was built for), or why ``aten.linear`` stays (part of the compile cache's fingerprint)."""
+    if not enabled():
+        return "off"
+    return library_name() if load() else "unavailable"
+
+
+__all__ = ["MIN_ROWS", "MAX_ROWS", "load", "enabled", "state", "packed_weights", "build_dir", "library_name"]
