@@ -202,6 +202,16 @@ def test_callers_readying_the_same_graphs_at_once_compile_each_once():
     assert sorted(how for _, how, _ in steps.events) == ["compiled"] * 4
 
 
+def test_the_fingerprint_covers_every_source_of_the_package():
+    # the passes, the lowerings and their C++ kernel change what a saved graph computes, as much as the runtime does
+    from dflash_compile.runtime import compiled_steps
+
+    root = Path(compiled_steps.__file__).parents[1]
+    names = {p.relative_to(root).as_posix() for p in compiled_steps.package_sources()}
+    assert {"passes/fused_kv.py", "lowerings/cpu/row_linear.cpp", "lowerings/cpu/block_attention.py",
+            "step/step.py", "runtime/compiled_steps.py", "backends.py"} <= names
+
+
 def test_precompile_needs_compile():
     _, spec = _pair()
     with pytest.raises(RuntimeError, match="call spec.compile"):

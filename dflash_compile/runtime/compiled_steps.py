@@ -68,13 +68,19 @@ def default_cache_dir() -> Path:
     return Path(base) / "dflash_compile"
 
 
+def package_sources() -> list[Path]:
+    """Every source file of the package, Python and the C++ kernels, in a fixed order."""
+    root = Path(__file__).parents[1]
+    return sorted([*root.rglob("*.py"), *root.rglob("*.cpp")])
+
+
 @functools.cache
 def _package_source_hash() -> str:
-    """SHA-256 of this package's sources (Python and the C++ kernels): any change to the step, the passes or the
-    lowerings changes it."""
+    """SHA-256 of this package's sources (``package_sources``): any change to the step, the passes or the lowerings
+    changes it."""
     root = Path(__file__).parents[1]
     h = hashlib.sha256()
-    for path in sorted([*root.rglob("*.py"), *root.rglob("*.cpp")]):
+    for path in package_sources():
         h.update(str(path.relative_to(root)).encode())
         h.update(path.read_bytes())
     return h.hexdigest()
