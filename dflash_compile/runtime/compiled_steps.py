@@ -281,6 +281,9 @@ class CompiledSteps:
         serves (``"background"``); ``"eager"`` and ``"error"`` leave a miss to the step. So no step compiles
         after start-up."""
         spec = self.spec
+        # as every step does first: graphs made for another device or dtype go, and graphs started now are not
+        # dropped by the first step's check (which found them made before any step and cleared them)
+        self._check_device()
         top = spec.batch_bucket(max(1, min(rows, spec.max_batch_size)))
         missing = [k for k in self.keys.keys_for([b for b in spec.batch_buckets if b <= top], sampling)
                    if k not in self._fns and k not in self._background]
@@ -317,10 +320,12 @@ class CompiledSteps:
                 fn = self._load(key) if fn is None else fn
                 if fn is None and self.on_miss == "compile":
                     fn = self._compile(key, args, kwargs)
+                # checked with the graph's absence under the lock a background compile finishes under: one that
+                # ended since this step found no graph has stored it, so it is not started again
+                if fn is None and self.on_miss == "background" and key not in self._background:
+                    self._compile_in_background(key)
             if fn is None:
                 if self.on_miss in ("eager", "background"):
-                    if self.on_miss == "background" and key not in self._background:
-                        self._compile_in_background(key)
                     start = time.perf_counter()
                     out = self.spec.dflash_step(*args, **kwargs)
                     self._record(key, "eager", time.perf_counter() - start)
@@ -360,8 +365,9 @@ class CompiledSteps:
 
         def work():
             try:
-                self._compile(key, args, kwargs)
-                self._background.pop(key, None)
+                self._compile(key, args, kwargs)  # stores the graph
+                with self._obtaining:  # no step sees the key neither compiling nor compiled
+                    self._background.pop(key, None)
             except Exception as e:  # the key keeps running eagerly; the failure is said, never raised mid-request
                 self._background[key] = None
                 log.warning("dflash: compiling %s in the background failed (%s: %s); it runs eagerly", key,
