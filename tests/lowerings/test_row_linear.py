@@ -89,6 +89,15 @@ def test_packed_copies_follow_the_weight_in_place_and_go_with_it():
     assert row_linear.packed_weights()[0] <= before + 1
 
 
+def test_a_weight_and_a_slice_of_it_at_the_same_address_keep_their_own_copies():
+    g = torch.Generator().manual_seed(5)
+    x, fused = torch.randn(4, 32, generator=g), torch.randn(96, 32, generator=g)
+    first = fused[:40]  # same address, other shape (a fused projection and its first part)
+    for _ in range(2):
+        torch.testing.assert_close(_op(x, fused), F.linear(x, fused))
+        torch.testing.assert_close(_op(x, first), F.linear(x, first))
+
+
 def test_a_call_autograd_would_have_to_record_is_refused():
     w = torch.randn(16, 8, requires_grad=True)
     with pytest.raises(RuntimeError, match="no derivative"):

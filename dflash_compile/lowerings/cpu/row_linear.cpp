@@ -23,7 +23,8 @@
 
 #include <cstdint>
 #include <mutex>
-#include <unordered_map>
+#include <map>
+#include <tuple>
 
 namespace {
 
@@ -72,16 +73,17 @@ struct Packed {
   at::Tensor packed;
 };
 
+// keyed by (address, rows, columns): two weights at one address (a fused weight and a slice of its first rows) keep
+// a copy each
 std::mutex cache_mutex;
-std::unordered_map<const void*, Packed> cache;
+std::map<std::tuple<const void*, int64_t, int64_t>, Packed> cache;
 
 at::Tensor packed_for(const at::Tensor& weight) {
   std::lock_guard<std::mutex> lock(cache_mutex);
-  const void* key = weight.data_ptr();
+  const auto key = std::make_tuple(static_cast<const void*>(weight.data_ptr()), weight.size(0), weight.size(1));
   const int64_t version = weight._version();
   auto it = cache.find(key);
-  if (it != cache.end() && !it->second.storage.expired() && it->second.version == version &&
-      it->second.N == weight.size(0) && it->second.K == weight.size(1))
+  if (it != cache.end() && !it->second.storage.expired() && it->second.version == version)
     return it->second.packed;
   for (auto e = cache.begin(); e != cache.end();) e = e->second.storage.expired() ? cache.erase(e) : std::next(e);
   Packed entry{weight.storage().getWeakStorageImpl(), version, weight.size(0), weight.size(1), pack(weight)};
