@@ -124,9 +124,14 @@ def test_stock_vllm_drafts_as_we_do_with_its_first_layer_k_norm_everywhere(pair,
 
 
 @pytest.mark.parametrize("pair_name", ["tiny", "chat"])
-def test_the_shipped_drafters_load_in_vllm_unmodified(pair_name, tmp_path):
+def test_the_shipped_drafters_load_in_vllm_unmodified(pair_name, tmp_path, monkeypatch):
     """Each shipped drafter directory as it is, as vLLM's DFlash speculator: it starts, drafts, and its greedy
     output is the target's (vLLM plain decoding here is the reference: same engine, no drafter)."""
+    # vLLM's own compile cache of its own: with the one earlier engines (other pairs and settings) left in
+    # ~/.cache/vllm, vLLM 0.32's engine core for the chat pair died at start-up ("Fatal Python error:
+    # _Py_CheckRecursiveCall: Cannot recover from stack overflow", in torch._prims while it compiled), every time;
+    # with a fresh one it starts
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "vllm-cache"))
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from bench_vllm import VllmEngine
     from transformers import AutoTokenizer
