@@ -76,7 +76,7 @@ def load() -> bool:
             directory = build_dir() / name
             directory.mkdir(parents=True, exist_ok=True)
             if not any(directory.glob("*.so")):
-                log.warning("dflash: building the row_linear CPU kernel for this machine (once, ~30 s) in %s",
+                log.warning("dflash: building the row_linear CPU kernel for this machine (once, ~15 s) in %s",
                             directory)
             cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(directory),
                                extra_cflags=_cflags(),
