@@ -73,6 +73,7 @@ def step_table(ks: list[int], repeats: int) -> list[dict]:
     draft = DFlashDraftModel.from_pretrained(d, dtype=torch.float32)
     specs, inputs = {}, {}
     cache = Path(tempfile.mkdtemp(prefix="bench_row_linear-"))
+    saved = os.environ.get("DFLASH_ROW_LINEAR")
     for name, flag in (("row_linear", "1"), ("aten.linear", "0")):
         os.environ["DFLASH_ROW_LINEAR"] = flag
         spec = DFlashSpecWrapper(target, draft, speculation="fixed", max_batch_size=1, max_seq_len=512)
@@ -87,7 +88,10 @@ def step_table(ks: list[int], repeats: int) -> list[dict]:
 
         print(f"{name}: linears lowered to row_linear so far: {counters['dflash_lowering']['row_linear']}", flush=True)
         specs[name], inputs[name] = spec, (block, rest)
-    os.environ.pop("DFLASH_ROW_LINEAR", None)
+    if saved is None:
+        os.environ.pop("DFLASH_ROW_LINEAR", None)
+    else:
+        os.environ["DFLASH_ROW_LINEAR"] = saved
     out = []
     for k in ks:
         times = {name: [] for name in specs}

@@ -73,6 +73,9 @@ def test_outside_its_range_it_is_at_linear_bit_for_bit():
 def test_packed_copies_follow_the_weight_in_place_and_go_with_it():
     g = torch.Generator().manual_seed(2)
     x, w = torch.randn(4, 64, generator=g), torch.randn(80, 64, generator=g)
+    gc.collect()
+    keep = torch.randn(8, 64, generator=g)
+    _op(x, keep)  # packing drops the copies of weights gone before it: every copy held now has a live weight
     before = row_linear.packed_weights()[0]
     first = _op(x, w)
     assert row_linear.packed_weights()[0] == before + 1
@@ -85,8 +88,8 @@ def test_packed_copies_follow_the_weight_in_place_and_go_with_it():
     torch.testing.assert_close(_op(x, w2), -2 * first)  # a new tensor (maybe at the freed address)
     del w2
     gc.collect()
-    _op(x, torch.randn(8, 64))  # the next call drops the copies of weights that are gone
-    assert row_linear.packed_weights()[0] <= before + 1
+    _op(x, torch.randn(8, 64))  # the next call that packs drops the copies of weights that are gone: it holds
+    assert row_linear.packed_weights()[0] <= before + 1  # its own (its weight gone too), not w's or w2's
 
 
 def test_a_weight_and_a_slice_of_it_at_the_same_address_keep_their_own_copies():

@@ -2,7 +2,7 @@
 // for the row counts a speculative step has (a few rows per request: the verified block, the drafter's block).
 //
 // Why: at 2-32 rows MKL's fp32 GEMM runs far below the rate at which the weights stream from memory (SmolLM2-135M's
-// linears, one thread: 40 ms for one row, 93 ms for eight; docs/benchmarks.md), while a linear with that few rows
+// linears, one thread: 43.7 ms for one row, 102.6 ms for eight; docs/benchmarks.md), while a linear with that few rows
 // is memory-bound. The kernel reads the weight from a packed copy (panels of kLanes output columns, each panel's
 // K rows of kLanes floats contiguous), so one pass streams it once, in order, and each loaded vector of weights is
 // multiplied by every input row (one broadcast multiply-add per row): no horizontal sums, no strided reads.
@@ -69,7 +69,7 @@ at::Tensor pack(const at::Tensor& weight) {
 
 struct Packed {
   c10::weak_intrusive_ptr<c10::StorageImpl> storage;  // expired: the weight is gone (its address may be reused)
-  int64_t version, N, K;
+  int64_t version;
   at::Tensor packed;
 };
 
@@ -86,7 +86,7 @@ at::Tensor packed_for(const at::Tensor& weight) {
   if (it != cache.end() && !it->second.storage.expired() && it->second.version == version)
     return it->second.packed;
   for (auto e = cache.begin(); e != cache.end();) e = e->second.storage.expired() ? cache.erase(e) : std::next(e);
-  Packed entry{weight.storage().getWeakStorageImpl(), version, weight.size(0), weight.size(1), pack(weight)};
+  Packed entry{weight.storage().getWeakStorageImpl(), version, pack(weight)};
   cache.insert_or_assign(key, entry);
   return entry.packed;
 }
@@ -198,13 +198,13 @@ at::Tensor row_linear(const at::Tensor& x, const at::Tensor& weight, const std::
   return out.view(sizes);
 }
 
-// The packed copies the op holds now: (weights, bytes); for tests and the memory figure in the docs.
+// The packed copies the op holds now, (copies, bytes): a copy whose weight is gone counts until the next call that
+// packs drops it. For tests and the memory figure in the docs.
 std::tuple<int64_t, int64_t> packed_weights() {
   std::lock_guard<std::mutex> lock(cache_mutex);
-  int64_t n = 0, bytes = 0;
-  for (const auto& e : cache)
-    if (!e.second.storage.expired()) ++n, bytes += e.second.packed.numel() * 4;
-  return {n, bytes};
+  int64_t bytes = 0;
+  for (const auto& e : cache) bytes += e.second.packed.numel() * static_cast<int64_t>(sizeof(float));
+  return {static_cast<int64_t>(cache.size()), bytes};
 }
 
 at::Tensor row_linear_meta(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {

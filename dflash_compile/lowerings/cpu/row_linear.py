@@ -30,8 +30,9 @@ log = logging.getLogger(__name__)
 
 #: The row counts the kernel of its own runs (outside them, ``at::linear``). On this project's CPU, one thread, every
 #: linear of SmolLM2-135M streamed from memory once (538 MB): MKL 46 / 76 / 103 / 104 ms at 2 / 4 / 8 / 16 rows, the
-#: kernel 41 / 44 / 52 / 70 (``benchmarks/bench_row_linear.py``); from ~64 rows MKL's GEMM is compute-efficient and the
-#: two are even. One row stays MKL's: as fast, and plain decoding at batch 1 then stays bit for bit HF's own.
+#: kernel 41 / 44 / 52 / 70, and 118 against 93 at 32 rows (``benchmarks/bench_row_linear.py``); at 64 rows a first
+#: measurement of the two was even (164 against 158 ms), so more than 32 rows stay MKL's. One row stays MKL's: as fast,
+#: and plain decoding at batch 1 then stays bit for bit HF's own.
 MIN_ROWS, MAX_ROWS = 2, 32
 SOURCE = Path(__file__).with_name("row_linear.cpp")
 _lock = threading.Lock()
@@ -90,7 +91,8 @@ def load() -> bool:
 
 
 def packed_weights() -> tuple[int, int]:
-    """The packed weight copies the kernel holds now: ``(weights, bytes)`` (0, 0 when it is not loaded)."""
+    """The packed weight copies the kernel holds now: ``(copies, bytes)``; a copy whose weight is gone counts until
+    the next call that packs a weight drops it ((0, 0) when the kernel is not loaded)."""
     if not load():
         return 0, 0
     n, nbytes = torch.ops.dflash_cpu.row_linear_packed_weights()
