@@ -239,14 +239,37 @@ def test_compile_arguments_are_checked():
         spec.compile(backend="no_such_backend")
 
 
+class GatedBackend(CountingBackend):
+    """A CountingBackend whose compile waits until ``release()``: the test decides when the graph is ready, not the
+    race between a background thread and the first step."""
+
+    def __init__(self):
+        super().__init__()
+        self.started = threading.Event()
+        self._gate = threading.Event()
+
+    def release(self):
+        self._gate.set()
+
+    def __call__(self, gm, example_inputs):
+        self.started.set()
+        assert self._gate.wait(timeout=600), "the test never released the compile"
+        return super().__call__(gm, example_inputs)
+
+
 def test_on_miss_background_compiles_while_the_eager_step_serves():
     target, spec = _pair()
-    backend = CountingBackend()
+    backend = GatedBackend()
     spec.compile(backend=backend, on_miss="background")
     prompt = random_prompts([12], 5)[0]
-    assert _new_tokens(spec, prompt, 40) == _reference(target, prompt, 40)  # served eagerly while it compiles
-    # the first step ran eagerly (its event may land after the compile's: they finish in either order)
-    assert "eager" in [how for _, how, _ in spec.compiled_steps.events]
+    try:
+        # generate readies the graph on a background thread, which blocks in the backend: every step runs eagerly
+        assert _new_tokens(spec, prompt, 40) == _reference(target, prompt, 40)
+        assert backend.started.wait(timeout=600) and backend.graphs == []
+        hows = {how for _, how, _ in spec.compiled_steps.events}
+        assert hows == {"eager"}, hows
+    finally:
+        backend.release()
     report = spec.precompile(batch_sizes=[1])  # waits for the background compile
     assert list(report.values()) == [("ready", 0.0)] and backend.graphs == [1]
     n = len(spec.compiled_steps.events)
