@@ -47,10 +47,14 @@ def block_attention(
                                    chunk)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     used = visible.any(1)[:, :, None, None]  # [B, K, 1, 1]: keys some query sees
-    k = torch.where(used, k, 0.0).to(acc).permute(0, 2, 3, 1)  # [B, Hkv, D, K]
+    # K as a contiguous [B, Hkv, K, D] buffer, read transposed by the score matmul (a BLAS flag): the gather then
+    # copies whole head rows (D contiguous values). Without the contiguous(), the matmul's [B * Hkv, D, K] reshape is
+    # no view for B > 1, and Inductor wrote K in that order, gathering it value by value with a stride of Hkv * D:
+    # this op 1.3-2.3x slower at B = 2-8, the same at B = 1 (benchmarks.md, "The attention gather").
+    k = torch.where(used, k, 0.0).to(acc).transpose(1, 2).contiguous()  # [B, Hkv, K, D]
     v = torch.where(used, v, 0.0).to(acc).transpose(1, 2)  # [B, Hkv, K, D]
     qg = q.to(acc).reshape(B, Hkv, G * T, D)  # query heads of one KV head stacked: h = kv * G + g
-    scores = (qg @ k) * scale  # [B, Hkv, G * T, K]
+    scores = (qg @ k.transpose(-2, -1)) * scale  # [B, Hkv, G * T, K]
     mask = visible[:, None, None].expand(B, 1, G, T, visible.shape[-1]).reshape(B, 1, G * T, -1)
     scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
