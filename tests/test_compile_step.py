@@ -55,3 +55,34 @@ def test_one_graph_per_bucket():
     spec.generate(prompts[:3], max_new_tokens=6, pad_token_id=PAD)
     spec.generate(prompts, max_new_tokens=6, pad_token_id=PAD)
     assert sorted(backend.graphs) == [1, 2, 4]  # 3 requests run in the 4 bucket; the batch is not a dynamic size
+
+
+def test_a_proposing_k0_step_runs_in_the_every_k_graph_and_accepts_nothing():
+    """``K = 0`` with a proposal (the auto policy's probe) has no graph of its own: it runs the every-K graph with a
+    block of 2 whose second token is -1. That step must be the one-token step: the same token, nothing accepted,
+    the same next block (the placeholder's K/V land past the row's length, where the next step writes)."""
+    from dflash_compile.runtime.generation import resolve_generation_args
+
+    target = tiny_target("qwen3")
+    draft = DFlashDraftModel.from_target(target, num_layers=2, block_size=4, target_layer_ids=[1, 3], seed=0)
+    spec = DFlashSpecWrapper(target, draft, speculation="auto", max_batch_size=2, batch_buckets=(2,), max_seq_len=96)
+    backend = CountingBackend()
+    spec.compile(backend=backend, fullgraph=True)
+    keys = spec.compiled_steps.keys
+    assert keys.block_len(0, True) == 2 and keys.block_len(0, False) == 1 and keys.block_len(3, True) == 4
+    assert keys.key(2, 3, False, 1, True) == keys.key(2, 3, False, 4, True)  # one graph for every proposing step
+    assert len(keys.keys_for([2], False)) == 2  # that one and plain decoding
+
+    args = resolve_generation_args(target, 12, dict(max_new_tokens=40))
+    _, inputs = spec.scheduler.prefill_batch(_prompts([7, 12], 3), args, K=0, propose=True)
+    block = inputs[0]
+    assert block.shape[1] == 2 and (block[:, 1] == -1).all()
+    one = (block[:, :1].clone(), *[t.clone() if isinstance(t, torch.Tensor) else t for t in inputs[1:4]])
+    pools = [p.clone() for p in inputs[4]], inputs[5].clone()
+    with torch.no_grad():
+        tokens, accepted, next_block = spec.step(*inputs, propose=True)  # the compiled every-K graph
+        ref_tokens, ref_accepted, ref_next = spec.dflash_step(*one, *pools)  # eager, one-token block
+    assert backend.graphs == [2]
+    assert accepted.tolist() == ref_accepted.tolist() == [0, 0]
+    assert tokens[:, 0].tolist() == ref_tokens[:, 0].tolist() and (tokens[:, 1] == -1).all()
+    assert torch.equal(next_block, ref_next)

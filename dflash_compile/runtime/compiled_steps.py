@@ -262,6 +262,9 @@ class CompiledSteps:
         """One step (``DFlashStep.forward``'s arguments) through the graph of its key."""
         block, block_tables = args[0], args[2]
         key = self.keys.key(block.shape[0], block_tables.shape[1], len(args) > 6, block.shape[1], propose)
+        if key.verify_len is None and block.shape[1] < 2:
+            raise ValueError(f"{key}: a proposing step runs with a block of at least 2 tokens here (StepKeys.block_len); "
+                             f"got {block.shape[1]}")
         return self.run(key, args, kwargs)
 
     def precompile(self, batch_sizes, sampling, progress: bool = True) -> dict:

@@ -117,9 +117,10 @@ class Scheduler:
         with self._lock:
             return self._driver is None
 
-    def prefill_batch(self, prompts: list[list[int]], args: GenerationArgs) -> tuple[int, tuple]:
-        """Admit ``prompts`` together on the calling thread, no step run: ``(bucket, the step's inputs)`` as the driver
-        would build them (for benchmarks and tests; nothing may be in flight)."""
+    def prefill_batch(self, prompts: list[list[int]], args: GenerationArgs, K: int | None = None,
+                      propose: bool = True) -> tuple[int, tuple]:
+        """Admit ``prompts`` together on the calling thread, no step run: ``(bucket, the inputs of a step verifying
+        K drafts)`` as the driver would build them (for benchmarks and tests; nothing may be in flight)."""
         if self.in_flight():
             raise RuntimeError("prefill_batch needs an idle scheduler")
         new = [Request(next(self._ids), list(p), args) for p in prompts]
@@ -127,7 +128,7 @@ class Scheduler:
             RequestHandle(r)  # each request's handle (nobody waits on it)
         with torch.no_grad():
             self._admit(new)
-        return self._step_inputs()
+        return self._step_inputs(K, propose)
 
     # ------------------------------------------------------------------ the driver thread
     def _drive(self) -> None:
@@ -293,7 +294,7 @@ class Scheduler:
         choice = self.ranks.plan(spec.policy.choose(view))
         drafted = all(r.drafted for r in rows)
         K = choice.k if drafted else 0  # a row whose last step did not propose has only its bonus
-        bucket, inputs = self._step_inputs(K)
+        bucket, inputs = self._step_inputs(K, choice.propose)
         view.pages = inputs[2].shape[1]
         return StepPlan(view, K, choice.propose, sampled, bucket, inputs,
                         verified=batch.block[:bucket, 1:K + 1].tolist() if any(r.args.output_drafts for r in rows)
@@ -352,19 +353,22 @@ class Scheduler:
     def _longest(self, verify_len: int) -> int:
         return max(r.seq_len for r in self.batch.rows) + verify_len
 
-    def _step_inputs(self, K: int | None = None) -> tuple[int, tuple]:
+    def _step_inputs(self, K: int | None = None, propose: bool = True) -> tuple[int, tuple]:
         """``(bucket, the step's inputs)`` for the running rows verifying ``K`` drafts (default: the most the policy
-        may verify), over the pages that hold every row's verify block (KV blocks allocated as needed)."""
+        may verify), over the pages that hold every row's verify block (KV blocks allocated as needed). A block
+        longer than ``K + 1`` (``StepKeys.block_len``) carries -1 after the bonus: drafts no token equals."""
         spec, batch, cache = self.spec, self.batch, self.cache
         K = spec.num_speculative_tokens if K is None else K
+        width = spec.compiled_steps.keys.block_len(K, propose) if spec.compiled else K + 1
         bucket = spec.batch_bucket(len(batch.rows))
         for i, r in enumerate(batch.rows):
-            batch.cover(i, r, r.seq_len + K + 1, cache)
-        pages = spec.context_bucket(self._longest(K + 1))
+            batch.cover(i, r, r.seq_len + width, cache)
+        pages = spec.context_bucket(self._longest(width))
         # Every step input has row-major strides: a compiled step's guards (and a saved graph's) match on strides too.
-        return bucket, (_dense(batch.block[:bucket, : K + 1]), batch.seq_lens[:bucket],
-                        _dense(batch.tables[:bucket, :pages]), batch.active[:bucket], cache.target_pools,
-                        cache.draft_pool)
+        block = _dense(batch.block[:bucket, :width])
+        block[:, K + 1:] = -1
+        return bucket, (block, batch.seq_lens[:bucket], _dense(batch.tables[:bucket, :pages]), batch.active[:bucket],
+                        cache.target_pools, cache.draft_pool)
 
 
 PREFILL_OVERHEAD_TOKENS = 64

@@ -77,16 +77,28 @@ class StepKeys:
 
     def key(self, batch: int, context_pages: int, sampled: bool, verify_len: int, propose: bool = True) -> StepKey:
         """The key of a step of these sizes. Where graphs are dynamic (``serves_every_context``), one graph per batch
-        bucket and sampling mode serves every context length and every ``K >= 1``: the key keeps ``K`` only where it
-        is 0 (HF attention branches on a query length of 1, so a block length that may be 1 is not one graph).
-        Static ``K`` stays for tensor-parallel steps (not tried dynamic) and for targets with recurrent layers
-        (they run the block token by token, ``recurrent.py``)."""
+        bucket and sampling mode serves every context length and every ``K`` of the steps that propose (``K = 0``
+        among them, run with a block of 2: ``block_len``); the plain ``K = 0`` step that does not propose keeps a
+        graph of its own (no drafter in it). Static ``K`` stays where ``open_k`` is False."""
         if not self.serves_every_context:
             return StepKey(batch, verify_len, sampled, context_pages, propose)
+        return StepKey(batch, None if propose and self.open_k else verify_len, sampled, None, propose)
+
+    @functools.cached_property
+    def open_k(self) -> bool:
+        """Whether the proposing steps of a bucket share one graph with ``K`` a dynamic size: graphs that serve every
+        context, not tensor-parallel (not tried dynamic), no recurrent layers (they run the block token by token),
+        and a block of more than 2 tokens."""
         spec = self.spec
-        open_k = (propose and verify_len > 1 and spec.dflash_step.block_size > 2 and spec.tp is None
-                  and not spec.kv_cache().has_states)
-        return StepKey(batch, None if open_k else verify_len, sampled, None, propose)
+        return (self.serves_every_context and spec.dflash_step.block_size > 2 and spec.tp is None
+                and not spec.kv_cache().has_states)
+
+    def block_len(self, K: int, propose: bool) -> int:
+        """The block a step verifying ``K`` drafts runs with: ``K + 1`` tokens, but 2 for a ``K = 0`` step that
+        proposes where the proposing steps share the dynamic graph (its range starts at 2: HF attention branches on a
+        query length of 1). The host fills the second column with -1, a draft no token equals, so that step accepts
+        nothing and emits the target's one token, as a ``K = 0`` step does; it costs one more verified row."""
+        return 2 if K == 0 and propose and self.open_k else K + 1
 
     def marked(self, key: StepKey, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Fresh views of ``forward``'s arguments (the marks stay off the caller's tensors) with the sizes ``key``

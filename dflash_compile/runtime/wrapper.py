@@ -244,7 +244,7 @@ class DFlashSpecWrapper(nn.Module):
         """Compile (or load from the compile cache) every step graph a deployment will use, now, with a progress bar
         (tqdm). ``batch_sizes``: the batch sizes to serve (default: every batch bucket); ``sampling``: False, True
         or ``"both"``; static-context backends (``dflash_neuron``) compile every context bucket too. Every
-        (:meth:`step_graphs`) variant the policy may use: with ``dflash``/``inductor`` three graphs per batch bucket
+        (:meth:`step_graphs`) variant the policy may use: with ``dflash``/``inductor`` two graphs per batch bucket
         and sampling mode under ``speculation="auto"``. Returns ``{str(key): (how, seconds)}``, ``how`` one of
         ``"compiled"``, ``"loaded"``, ``"ready"``. Call :meth:`compile` first."""
         if self.compiled_steps is None:

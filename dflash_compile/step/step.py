@@ -125,8 +125,10 @@ class DFlashStep(nn.Module):
         """The target over the block: ``(logits [Bk, B, V], context features [Bk, B, n_ids * H], StateAccess or
         None)``; recurrent layers run token by token and keep every position's state until ``commit``."""
         kv_lens = torch.clamp(seq_lens + block.shape[1], max=self.max_seq_len)  # [Bk]
-        return self.target_forward(block, positions, in_capacity, kv_lens, block_tables, active, target_pools,
-                                    state_slots=state_slots, stepped=True)
+        # a draft of -1 (a placeholder where the host has none: StepKeys.block_len) is embedded as token 0; no
+        # target token equals it, so it and everything after it are rejected
+        return self.target_forward(block.clamp(min=0), positions, in_capacity, kv_lens, block_tables, active,
+                                   target_pools, state_slots=state_slots, stepped=True)
 
     def accept(self, block, logits, positions, active, sampling=None):
         """Acceptance: ``(tokens [Bk, B] padded with -1, num_accepted [Bk], bonus [Bk, 1])``. The target's token
