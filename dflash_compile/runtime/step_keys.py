@@ -87,11 +87,12 @@ class StepKeys:
     @functools.cached_property
     def open_k(self) -> bool:
         """Whether the proposing steps of a bucket share one graph with ``K`` a dynamic size: graphs that serve every
-        context, not tensor-parallel (not tried dynamic), no recurrent layers (they run the block token by token),
-        and a block of more than 2 tokens."""
+        context, not tensor-parallel (not tried dynamic), no recurrent layers (they run the block token by token), a
+        block of more than 2 tokens, and a policy that may verify a draft (the pools and the traced example hold
+        ``num_speculative_tokens + 1`` tokens a step: a policy of ``K = 0`` alone has no block of 2)."""
         spec = self.spec
-        return (self.serves_every_context and spec.dflash_step.block_size > 2 and spec.tp is None
-                and not spec.kv_cache().has_states)
+        return (self.serves_every_context and spec.dflash_step.block_size > 2 and spec.verify_len > 1
+                and spec.tp is None and not spec.kv_cache().has_states)
 
     def block_len(self, K: int, propose: bool) -> int:
         """The block a step verifying ``K`` drafts runs with: ``K + 1`` tokens, but 2 for a ``K = 0`` step that

@@ -230,7 +230,8 @@ class DFlashSpecWrapper(nn.Module):
              propose: bool = True):
         """One step as the host loop runs it (``DFlashStep.forward``'s arguments and results): once :meth:`compile`
         was called, through the compiled graph of its key (batch bucket, ``K``, proposes or not, greedy or sampled;
-        loaded or compiled on a miss as ``on_miss`` says), else eagerly."""
+        loaded or compiled on a miss as ``on_miss`` says), else eagerly; under ``torch.no_grad()`` either way (the
+        compiled graphs are guarded on grad mode)."""
         args = (block, seq_lens, block_tables, active, target_pools, draft_pool) + (
             (sampling,) if sampling is not None else ())
         kwargs = {"state_slots": state_slots} if state_slots is not None else {}
@@ -238,7 +239,8 @@ class DFlashSpecWrapper(nn.Module):
             kwargs["propose"] = False
         if self.compiled_steps is None:
             return self.dflash_step(*args, **kwargs)
-        return self.compiled_steps.step(args, kwargs, propose)
+        with torch.no_grad():
+            return self.compiled_steps.step(args, kwargs, propose)
 
     def precompile(self, batch_sizes=None, *, sampling: bool | str = False, progress: bool = True) -> dict:
         """Compile (or load from the compile cache) every step graph a deployment will use, now, with a progress bar
