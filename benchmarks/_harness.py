@@ -31,6 +31,27 @@ def median_ms(fn, repeats: int, device: str) -> tuple[float, float]:
     return statistics.median(once() for _ in range(repeats)), first
 
 
+def time_phases(spec) -> dict:
+    """Wrap a compiled wrapper's step calls (``compiled_steps.run``) and admissions (``scheduler._admit``: the
+    prefill and the drafter's first block) with timers. Returns the clock they add to, ``{"step": seconds,
+    "steps": calls, "prefill": seconds}``; the caller resets it (``clock.update(step=0.0, steps=0, prefill=0.0)``)."""
+    clock = {"step": 0.0, "steps": 0, "prefill": 0.0}
+
+    def timed(name, fn):
+        def call(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                clock[name] += time.perf_counter() - t0
+                clock["steps"] += name == "step"
+        return call
+
+    spec.compiled_steps.run = timed("step", spec.compiled_steps.run)
+    spec.scheduler._admit = timed("prefill", spec.scheduler._admit)
+    return clock
+
+
 def devices() -> list[str]:
     return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

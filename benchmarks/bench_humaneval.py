@@ -184,7 +184,7 @@ def phase_profile(target, draft, encs: list[dict], args, repeats: int = 50) -> d
     """
     from torch.profiler import ProfilerActivity, profile
 
-    from _harness import median_ms
+    from _harness import median_ms, time_phases
     from bench_step import step_inputs
     from dflash_compile.backends import dflash_backend
 
@@ -207,22 +207,7 @@ def phase_profile(target, draft, encs: list[dict], args, repeats: int = 50) -> d
     cfg.recompile_limit = max(cfg.recompile_limit, cfg.accumulated_recompile_limit)
     spec = DFlashSpecWrapper(target, draft, speculation="fixed", max_batch_size=1)
     spec.compile(backend=timed_backend, fullgraph=True)
-    clock = {"call": 0.0, "admit": 0.0}
-    call, admit = spec.compiled_steps.run, spec.scheduler._admit
-
-    def timed_call(*a, **k):
-        t0 = time.perf_counter()
-        out = call(*a, **k)
-        clock["call"] += time.perf_counter() - t0
-        return out
-
-    def timed_admit(*a, **k):
-        t0 = time.perf_counter()
-        out = admit(*a, **k)
-        clock["admit"] += time.perf_counter() - t0
-        return out
-
-    spec.compiled_steps.run, spec.scheduler._admit = timed_call, timed_admit
+    clock = time_phases(spec)
     eos = target.generation_config.eos_token_id
 
     def generate_all():
@@ -232,12 +217,12 @@ def phase_profile(target, draft, encs: list[dict], args, repeats: int = 50) -> d
     generate_all()  # warm: every context bucket these prompts reach is compiled
     runs = []
     for _ in range(3):
-        clock.update(call=0.0, admit=0.0)
+        clock.update(step=0.0, steps=0, prefill=0.0)
         graph_s.clear()
         t0 = time.perf_counter()
         steps = generate_all()
         total = time.perf_counter() - t0
-        runs.append((total, clock["call"], sum(graph_s), clock["admit"], steps))
+        runs.append((total, clock["step"], sum(graph_s), clock["prefill"], steps))
     total, call_s, graph_total, admit_s, steps = sorted(runs)[1]
     ms = lambda x: 1e3 * x / steps  # noqa: E731
     out = {"steps": steps, "total_ms": ms(total), "graph_ms": ms(graph_total), "dynamo_ms": ms(call_s - graph_total),

@@ -56,6 +56,7 @@ def worker(args) -> None:
     from dflash_compile import DFlashDraftModel, DFlashSpecWrapper
     from dflash_compile.assets import chat_pair_paths, tiny_pair_paths
 
+    from _harness import time_phases
     from bench_humaneval import humaneval_prompts
 
     assert Path(dflash_compile.__file__).resolve().is_relative_to(Path(args.tree).resolve()), dflash_compile.__file__
@@ -70,20 +71,7 @@ def worker(args) -> None:
     spec = DFlashSpecWrapper(target, draft, speculation="fixed", num_speculative_tokens=K, max_batch_size=B,
                              batch_buckets=(B,))
     spec.compile(backend="dflash", cache_dir=REPO / "build" / "revisions" / "compile-cache")
-    clock = {"step": 0.0, "steps": 0, "prefill": 0.0}
-    run, admit = spec.compiled_steps.run, spec.scheduler._admit
-
-    def timed(name, fn):
-        def call(*a, **kw):
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **kw)
-            finally:
-                clock[name] += time.perf_counter() - t0
-                clock["steps"] += name == "step"
-        return call
-
-    spec.compiled_steps.run, spec.scheduler._admit = timed("step", run), timed("prefill", admit)
+    clock = time_phases(spec)
 
     def one_pass() -> dict:
         clock.update(step=0.0, steps=0, prefill=0.0)
