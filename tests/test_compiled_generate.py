@@ -59,12 +59,21 @@ def test_compiled_equals_eager_dflash_neuron(family_pair):
     _compiled_equals_eager(family_pair, "dflash_neuron")
 
 
-def _compiled_equals_eager(family_pair, backend):
+# The target's layers as nested compile regions (the default for stacks of 16 layers and more: a real model's), with
+# the passes inside them: every layer calls one subgraph. Llama's layers read one mask: the region's attention is
+# block_attention. Gemma3's sliding and full layers trace to the same code and read different masks (inputs): no one
+# rule holds for the region's calls, so its attention stays SDPA (exact, not the fused op).
+@pytest.mark.parametrize("family_pair", ["gemma3", "llama"], indirect=True)
+def test_compiled_regions_equal_eager(family_pair):
+    _compiled_equals_eager(family_pair, "dflash", regions=True)
+
+
+def _compiled_equals_eager(family_pair, backend, regions=False):
     family, target, draft, kw, prompts, expected = family_pair
     torch._dynamo.reset()
     counters.clear()
     spec = DFlashSpecWrapper(target, draft, **kw)
-    spec.compile(backend=backend, fullgraph=True)
+    spec.compile(backend=backend, fullgraph=True, regions=regions)
     for batch in (1, 3, 8):
         out = _run(spec, prompts[batch])
         assert torch.equal(out.sequences, expected[batch].sequences), (family, backend, batch)
@@ -73,9 +82,15 @@ def _compiled_equals_eager(family_pair, backend):
     assert not counters["graph_break"]
     # Every pass fired in each of the two step graphs: the drafter's projection once, a scatter and an attention
     # per target layer and per drafter.
-    n_target = len(target.model.layers)
+    # Within a region a replacement counts once for all the layers that call it.
+    n_target = per_graph = len(target.model.layers)
+    attention = per_graph
+    if regions:
+        per_graph, attention = 1, {"gemma3": 0}.get(family, 1)
+        assert counters["dflash"].pop("region_calls") == 2 * n_target
+        assert counters["dflash"].pop("region_subgraphs") == 2 * per_graph
     assert dict(counters["dflash"]) == {
-        "fused_kv_proj": 2, "paged_kv_write": 2 * (n_target + 1), "block_attention": 2 * (n_target + 2),
+        "fused_kv_proj": 2, "paged_kv_write": 2 * (per_graph + 1), "block_attention": 2 * (attention + 2),
     }
     assert set(counters["dflash"]) == set(PASS_NAMES)
     again = _run(spec, prompts["again"])  # warm: new prompts, same buckets, no recompile (counted below)

@@ -37,7 +37,7 @@ from torch.fx import Node
 
 from ..lowerings import ops  # noqa: F401  (registers torch.ops.dflash.*)
 from ..primitives.masks import MaskSpec, context_visibility
-from ._common import DFlashPass, bound_args, same_shape, val
+from ._common import DFlashPass, Region, bound_args, same_shape, val
 
 aten = torch.ops.aten
 
@@ -261,14 +261,14 @@ def _mask(mask: Node, with_block: bool) -> _Visibility | None:
 class BlockAttentionPass(DFlashPass):
     name = "block_attention"
 
-    def apply(self, graph: torch.fx.Graph) -> int:
+    def apply(self, graph: torch.fx.Graph, region: Region | None = None) -> int:
         count = 0
         for node in list(graph.nodes):
-            if _is(node, _SDPA) and self._rewrite(graph, node):
+            if _is(node, _SDPA) and self._rewrite(graph, node, region):
                 count += 1
         return count
 
-    def _rewrite(self, graph, node: Node) -> bool:
+    def _rewrite(self, graph, node: Node, region: Region | None) -> bool:
         a = bound_args(node)
         q, mask = a["query"], a["attn_mask"]
         if a["dropout_p"] != 0.0 or a["is_causal"] or not isinstance(mask, Node):
@@ -278,27 +278,32 @@ class BlockAttentionPass(DFlashPass):
             return False
         if (k_src.block is None) != (v_src.block is None):
             return False
-        read = _read_slots(k_src.read)
+        # Inside a region the read slots and the mask may be inputs of the layer, made once by the step around it
+        # (the target's mask): the rule is read where they were made, in the graph that calls the region.
+        read_slots, mask = _made(k_src.read, region), _made(mask, region)
+        read = _read_slots(read_slots)
         vis = _mask(mask, with_block=k_src.block is not None)
         if read is None or vis is None or vis.ctx_lens is not read.ctx_lens:
             return False
-        if not _extra_check(q, mask, k_src, read):
+        if not _extra_check(q, mask, k_src, read, read_slots):
             return False
         D = val(q).shape[-1]
         scale = a["scale"] if a["scale"] is not None else 1.0 / math.sqrt(D)
+        here = region.inner if region is not None else (lambda n: n)  # an outer node as this graph reads it
+        block_table, ctx_lens = here(read.block_table), here(read.ctx_lens)
+        q_pos = None if vis.q_positions is None else here(vis.q_positions)
         with graph.inserting_before(node):
             k_pool, v_pool = self._pool_view(graph, k_src), self._pool_view(graph, v_src)
-            q_pos = vis.q_positions
             if q_pos is None:  # neither causal nor windowed: positions are not needed, any [B, T] will do
                 B, T = val(q).shape[0], val(q).shape[2]
-                q_pos = graph.call_function(aten.new_zeros.default, (read.ctx_lens, [B, T]))
+                q_pos = graph.call_function(aten.new_zeros.default, (ctx_lens, [B, T]))
             k_blk = v_blk = None
             if k_src.block is not None:
                 k_blk = graph.call_function(aten.transpose.int, (k_src.block, 1, 2))
                 v_blk = graph.call_function(aten.transpose.int, (v_src.block, 1, 2))
             out = graph.call_function(
                 torch.ops.dflash.block_attention.default,
-                (q, k_pool, v_pool, read.block_table, read.ctx_lens, q_pos, k_blk, v_blk,
+                (q, k_pool, v_pool, block_table, ctx_lens, q_pos, k_blk, v_blk,
                  read.page_size, vis.causal, vis.window, float(scale), vis.chunk),
             )
         out.meta["val"] = val(node)
@@ -314,9 +319,15 @@ class BlockAttentionPass(DFlashPass):
         return node
 
 
-def _extra_check(q: Node, mask: Node, src: _Source, read: _Read) -> bool:
+def _made(node: Node, region: Region | None) -> Node:
+    """``node``, or where it was made if it is an input of ``region`` that every call of the region passes alike."""
+    outer = region.outer(node) if region is not None else None
+    return node if outer is None else outer
+
+
+def _extra_check(q: Node, mask: Node, src: _Source, read: _Read, read_slots: Node) -> bool:
     """Shapes and dtypes from ``meta["val"]``: a boolean mask, GQA-compatible heads, a 3-D pool view."""
-    qv, mv, pv, rv = val(q), val(mask), val(src.pool), val(src.read)
+    qv, mv, pv, rv = val(q), val(mask), val(src.pool), val(read_slots)
     if any(t is None for t in (qv, mv, pv, rv)):
         return False
     B, Hq, T, D = qv.shape

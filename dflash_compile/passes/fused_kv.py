@@ -61,7 +61,7 @@ class FusedKVProjPass(DFlashPass):
             register_replacement(_context_kv, _fused, ex, trace_pre_dispatch, self.patterns,
                                  extra_check=_extra_check, scalar_workaround={"eps": 1e-6})
 
-    def apply(self, graph):
+    def apply(self, graph, region=None):
         n = self.patterns.apply(graph)
         for fused in graph.find_nodes(op="call_function", target=torch.ops.dflash.fused_kv_proj.default):
             _wire_v(graph, fused)

@@ -78,5 +78,5 @@ class PagedKVWritePass(DFlashPass):
         for lead, search in enumerate((_scatter_0, _scatter_1, _scatter_2)):
             register_replacement(search, _write, ex[lead], trace_pre_dispatch, self.patterns, extra_check=_check(lead))
 
-    def apply(self, graph):
+    def apply(self, graph, region=None):
         return self.patterns.apply(graph)

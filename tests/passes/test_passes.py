@@ -1,5 +1,7 @@
 """Each pass on a small pre-dispatch graph: the graph before and after, the counter, and equal values."""
 
+import functools
+
 import expecttest
 import torch
 from torch._dynamo.utils import counters
@@ -224,6 +226,54 @@ return block_attention_default""")
         self.assertEqual((n, count), (1, {"block_attention": 1}))
         self.assertNotIn("scaled_dot_product_attention", str(gm.graph))
         torch.testing.assert_close(gm(*state, *args), draft_attention(*args))
+
+    def test_block_attention_across_a_region_boundary(self):
+        # A decoder layer compiled as a nested region reads the mask and the read slots the step made once around
+        # the layers: the pass follows those inputs to where they were made, reads the table, lengths and positions
+        # into the region as new inputs, and drops the inputs nothing reads any more (the graph around stops making
+        # the mask and the slots). Layers called with different masks keep their SDPA: no one rule holds for them.
+        from dflash_compile.backends import dflash_passes
+        from dflash_compile.passes import graph_modules
+
+        @torch.compiler.nested_compile_region
+        def layer(q, pool, read, mask):
+            k, v = pool[0][read].transpose(1, 2), pool[1][read].transpose(1, 2)
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.5) + q
+
+        def step(q, pools, table, kv_lens, positions, windows):
+            read, key_pos = read_slots(table, kv_lens, 4)
+            masks = [context_visibility(positions, kv_lens, key_pos, MaskSpec(window=w))[:, None] for w in windows]
+            for i, pool in enumerate(pools):
+                q = layer(q, pool, read, masks[i % len(masks)])
+            return q
+
+        args = (torch.randn(2, 1, 2, 8), [torch.randn(2, 4 * 4 + 2, 1, 8) for _ in range(3)],
+                torch.tensor([[2, 0], [3, 1]]), torch.tensor([6, 3]), torch.tensor([[4, 5], [1, 2]]))
+        for windows, rewritten in (((3,), True), ((3, None), False)):
+            passed = []
+
+            def capture(gm, example_inputs):
+                passed.append(dflash_passes(gm, example_inputs))
+                return passed[-1]
+
+            torch._dynamo.reset()
+            counters.clear()
+            compiled = torch.compile(functools.partial(step, windows=windows), backend=capture, fullgraph=True)
+            torch.testing.assert_close(compiled(*args), step(*args, windows))
+            top, sub = graph_modules(passed[0])
+            self.assertEqual(counters["dflash"]["block_attention"], int(rewritten), windows)
+            self.assertEqual("scaled_dot_product_attention" in sub.code, not rewritten)
+            if not rewritten:
+                continue
+            self.assertExpectedInline(sub.code.strip(), """\
+def forward(self, arg0_1, arg2_1, outer_arg1_1, outer_arg0_1, outer_arg2_1):
+    select = torch.ops.aten.select.int(arg0_1, 0, 0)
+    select_1 = torch.ops.aten.select.int(arg0_1, 0, 1);  arg0_1 = None
+    block_attention_default = torch.ops.dflash.block_attention.default(arg2_1, select, select_1, outer_arg1_1, outer_arg0_1, outer_arg2_1, None, None, 4, True, 3, 0.5, 0);  select = select_1 = outer_arg1_1 = outer_arg0_1 = outer_arg2_1 = None
+    add = torch.ops.aten.add.Tensor(block_attention_default, arg2_1);  block_attention_default = arg2_1 = None
+    return (add,)""")
+            # around the region: no mask, no read slots, just the three calls with the step's own inputs
+            self.assertEqual([n.op for n in top.graph.nodes if n.op == "call_function"], ["call_function"] * 6)
 
     def test_float_mask_is_left_alone(self):
         def eager_mask(q, pool, table, kv_lens, positions):
