@@ -11,7 +11,8 @@ rounds of the median of the worker's own 3 timed passes (after an untimed warm-u
 the graph: each revision has its own compile-cache folder, the fingerprint hashes the package's sources).
 
 A case ``B:K`` is ``B`` HumanEval prompts (raw, left-padded) through a wrapper with ``max_batch_size=B``, one batch
-bucket, ``speculation="fixed"`` at ``K``, greedy, ``--max-new`` new tokens, no early stop. Phases per pass:
+bucket, ``speculation="fixed"`` at ``K``, greedy, ``--max-new`` new tokens, no early stop; every pass of every
+worker of a case must generate the same tokens (a hash of them is compared), or the run stops. Phases per pass:
 ``step`` (the compiled step calls, ms per step), ``prefill`` (admission: the target's prefill and the drafter's
 first block, ms per pass) and ``host`` (the rest of the host loop, ms per step); tokens/s over the whole pass.
 """
@@ -19,6 +20,7 @@ first block, ms per pass) and ``host`` (the rest of the host loop, ms per step);
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import statistics
@@ -82,11 +84,14 @@ def worker(args) -> None:
         n = clock["steps"]
         return {"tok_s": B * (out.shape[1] - enc["input_ids"].shape[1]) / total, "step_ms": 1e3 * clock["step"] / n,
                 "prefill_ms": 1e3 * clock["prefill"], "host_ms": 1e3 * (total - clock["step"] - clock["prefill"]) / n,
-                "steps": n}
+                "steps": n, "output": hashlib.sha256(str(out.tolist()).encode()).hexdigest()[:16]}
 
     one_pass()  # compiles or loads the graph
     passes = [one_pass() for _ in range(3)]
-    print(json.dumps({k: statistics.median(p[k] for p in passes) for k in passes[0]}), flush=True)
+    outputs = {p.pop("output") for p in passes}
+    assert len(outputs) == 1, "the passes of one worker generated different tokens"
+    print(json.dumps({**{k: statistics.median(p[k] for p in passes) for k in passes[0]}, "output": outputs.pop()}),
+          flush=True)
 
 
 # ---------------------------------------------------------------------------------------------- driver
@@ -113,6 +118,7 @@ def main(argv=None) -> None:
     trees = [checkout(args.base), checkout(args.head)]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     runs: dict[tuple, list[dict]] = {}
+    outputs: dict[tuple, str] = {}  # (batch, K) -> the hash of the first worker's tokens
     for r in range(args.rounds):
         for b, k in cases:
             for label, root in trees if r % 2 == 0 else trees[::-1]:
@@ -122,6 +128,9 @@ def main(argv=None) -> None:
                 if done.returncode:
                     raise SystemExit(f"{label}, batch {b}, K {k} failed:\n{done.stderr[-3000:]}")
                 res = json.loads(done.stdout.strip().splitlines()[-1])
+                output = outputs.setdefault((b, k), res["output"])
+                if res.pop("output") != output:  # greedy and lossless: every revision must say the same tokens
+                    raise SystemExit(f"{label}, batch {b}, K {k}: other tokens than the first worker of this case")
                 runs.setdefault((label, b, k), []).append(res)
                 print(f"round {r + 1}: {label:>12} batch {b} K {k}: " + ", ".join(f"{n} {v:.2f}" for n, v in res.items()),
                       flush=True)

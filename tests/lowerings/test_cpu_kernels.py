@@ -5,34 +5,62 @@ import itertools
 import pytest
 import torch
 
-from dflash_compile.lowerings.cpu.block_attention import block_attention
+from dflash_compile.lowerings.cpu import row_linear
+from dflash_compile.lowerings.cpu.block_attention import aten_block_attention, block_attention
 from dflash_compile.lowerings.ops import _block_attention_reference
 
 CASES = list(itertools.product([1, 5], [4, 16], [1, 2, 4], [False, True], [(0, 0), (3, 0), (0, 8), (3, 8)],
                                [False, True]))
 
 
-@pytest.mark.parametrize("T,page,gqa,causal,window_chunk,with_block", CASES)
-@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.float64, 1e-10)])
-def test_block_attention_matches_reference(T, page, gqa, causal, window_chunk, with_block, dtype, atol):
-    window, chunk = window_chunk
+def _kernel(*args):
+    return torch.ops.dflash_cpu.block_attention(*args)
+
+
+# The CPU lowering (the C++ kernel for fp32, the ATen form for other dtypes) and each form alone
+IMPLS = {"lowering": block_attention, "aten": aten_block_attention, "kernel": _kernel}
+needs_kernel = pytest.mark.skipif(not row_linear.load(), reason="the CPU kernels cannot be built here (no compiler)")
+
+
+def _case(T, page, gqa, with_block, dtype, D=16, pool_lead=False):
     g = torch.Generator().manual_seed(T * 100 + page + gqa)
-    B, Hkv, D, NB = 3, 2, 16, 4
+    B, Hkv, NB = 3, 2, 4
     slots = NB * B * page + 2
-    k_pool = torch.randn(slots, Hkv, D, generator=g, dtype=dtype)
-    v_pool = torch.randn(slots, Hkv, D, generator=g, dtype=dtype)
+    if pool_lead:  # the target's per-layer [2, slots, Hkv, D] pool: K and V are views of it (as the pass hands them)
+        pool = torch.randn(2, slots, Hkv, D, generator=g, dtype=dtype)
+        k_pool, v_pool = pool[0], pool[1]
+    else:
+        k_pool = torch.randn(slots, Hkv, D, generator=g, dtype=dtype)
+        v_pool = torch.randn(slots, Hkv, D, generator=g, dtype=dtype)
     table = torch.randperm(NB * B, generator=g)[: B * NB].view(B, NB)
     ctx_lens = torch.tensor([0, 2 * page + 1, NB * page - 1])
     table[1, 3] = -1  # unallocated beyond row 1's length
     q_pos = ctx_lens[:, None] + torch.arange(T)
     q = torch.randn(B, Hkv * gqa, T, D, generator=g, dtype=dtype)
-    kb = torch.randn(B, Hkv, T, D, generator=g, dtype=dtype) if with_block else None
-    vb = torch.randn(B, Hkv, T, D, generator=g, dtype=dtype) if with_block else None
+    # block K/V as the drafter hands them: [B, T, Hkv, D] transposed to [B, Hkv, T, D] (not contiguous)
+    kb = torch.randn(B, T, Hkv, D, generator=g, dtype=dtype).transpose(1, 2) if with_block else None
+    vb = torch.randn(B, T, Hkv, D, generator=g, dtype=dtype).transpose(1, 2) if with_block else None
+    return q, k_pool, v_pool, table, ctx_lens, q_pos, kb, vb
+
+
+@pytest.mark.parametrize("T,page,gqa,causal,window_chunk,with_block", CASES)
+@pytest.mark.parametrize("impl,dtype,atol", [("lowering", torch.float32, 1e-5), ("lowering", torch.float64, 1e-10),
+                                             ("aten", torch.float32, 1e-5),
+                                             pytest.param("kernel", torch.float32, 1e-5, marks=needs_kernel)])
+def test_block_attention_matches_reference(T, page, gqa, causal, window_chunk, with_block, impl, dtype, atol):
+    window, chunk = window_chunk
+    D = 16 if impl != "kernel" else (16 + 3 if gqa == 2 else 16)  # the kernel also on a D its vectors do not divide
+    q, k_pool, v_pool, table, ctx_lens, q_pos, kb, vb = _case(T, page, gqa, with_block, dtype, D=D,
+                                                              pool_lead=causal)
     args = (q, k_pool, v_pool, table, ctx_lens, q_pos, kb, vb, page, causal, window, D**-0.5, chunk)
-    torch.testing.assert_close(block_attention(*args), _block_attention_reference(*args), atol=atol, rtol=atol)
+    out = IMPLS[impl](*args)
+    torch.testing.assert_close(out, _block_attention_reference(*args), atol=atol, rtol=atol)
+    assert out.is_contiguous()
+    assert with_block or not out[0].any()  # row 0 (no context, no block) sees nothing: zeros
 
 
-def test_nan_in_invisible_slots_does_not_leak():
+@pytest.mark.parametrize("impl", ["lowering", "aten", pytest.param("kernel", marks=needs_kernel)])
+def test_nan_in_invisible_slots_does_not_leak(impl):
     B, H, D, page = 2, 2, 8, 4
     k_pool, v_pool = torch.randn(4 * page * B + 2, H, D), torch.randn(4 * page * B + 2, H, D)
     table = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]])
@@ -40,6 +68,35 @@ def test_nan_in_invisible_slots_does_not_leak():
     k_pool[3:16], v_pool[3:16] = float("nan"), float("nan")  # row 0's blocks past its length
     q = torch.randn(B, H, 2, D)
     args = (q, k_pool, v_pool, table, ctx_lens, ctx_lens[:, None] + torch.arange(2), None, None, page, True, 0, 0.3)
-    out = block_attention(*args)
+    out = IMPLS[impl](*args)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, _block_attention_reference(*args))
+
+
+@needs_kernel
+def test_the_lowering_calls_the_kernel_for_fp32_decoding_only(monkeypatch):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def ops(dtype, T=2):
+        q, k_pool, v_pool, table, ctx_lens, q_pos, kb, vb = _case(T, 4, 2, True, dtype, pool_lead=True)
+        gm = make_fx(lambda *a: block_attention(*a, 4, True, 0, 0.25), tracing_mode="fake")(
+            q, k_pool, v_pool, table, ctx_lens, q_pos, kb, vb)
+        return {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+
+    assert "dflash_cpu.block_attention.default" in ops(torch.float32)
+    assert not any(op.startswith("dflash_cpu") for op in ops(torch.float64))
+    assert not any(op.startswith("dflash_cpu") for op in ops(torch.float32, T=5))  # 10 queries per KV head
+    monkeypatch.setenv("DFLASH_CPU_ATTENTION", "0")
+    assert not any(op.startswith("dflash_cpu") for op in ops(torch.float32))
+    assert row_linear.state().endswith(" attention off")
+
+
+@needs_kernel
+def test_the_kernel_refuses_what_it_does_not_take():
+    q, k_pool, v_pool, table, ctx_lens, q_pos, _, _ = _case(1, 4, 2, False, torch.float64)
+    with pytest.raises(RuntimeError, match="takes fp32 CPU tensors"):
+        _kernel(q, k_pool, v_pool, table, ctx_lens, q_pos, None, None, 4, True, 0, 0.25)
+    q, k_pool, v_pool, table, ctx_lens, q_pos, _, _ = _case(1, 4, 2, False, torch.float32)
+    table[2, 1] = -1  # row 2 reads position 4 and up from an unallocated page: an error, not a read of slot -4
+    with pytest.raises(RuntimeError, match="from page -1"):
+        _kernel(q, k_pool, v_pool, table, ctx_lens, q_pos, None, None, 4, True, 0, 0.25)

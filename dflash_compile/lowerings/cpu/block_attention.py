@@ -1,7 +1,10 @@
-"""CPU lowering of ``dflash::block_attention``: the op as plain ATen, for Inductor to compile into C++.
+"""CPU lowering of ``dflash::block_attention``: fp32 attention with few queries per KV head (decoding:
+``KERNEL_MAX_QUERIES``) calls the C++ paged attention (``block_attention.cpp``, ``dflash_cpu.block_attention``: K/V
+read in place from the pool); anything else, or where the kernel cannot be built or ``DFLASH_CPU_ATTENTION=0``, runs
+the op as plain ATen, for Inductor to compile into C++ (``aten_block_attention``).
 
 The backend traces this function into the step graph in place of the op (``lowerings.lower``), so the compiled
-step never calls back into Python for attention. It walks exactly the context the block table spans: the step
+step never calls back into Python for attention. The ATen form walks exactly the context the block table spans: the step
 hands each graph the table of its context-length bucket, so the cost follows the live context with no host
 read. GQA runs without repeating K/V: the ``G = Hq // Hkv`` query heads of a KV head are stacked on the query
 dim (``[B, Hkv, G * T, D]``). Keys no query sees are zeroed, so garbage (even NaN) in the pool at masked slots
@@ -33,6 +36,49 @@ def block_attention(
     chunk: int = 0,
 ) -> Tensor:
     """CPU implementation of :func:`dflash_compile.lowerings.ops.block_attention` (same contract)."""
+    args = (q, k_pool, v_pool, block_table, ctx_lens, q_positions, k_block, v_block, page_size, causal, window, scale,
+            chunk)
+    if _kernel_takes(q, k_pool, v_pool, k_block, v_block):
+        return torch.ops.dflash_cpu.block_attention(*args)
+    return aten_block_attention(*args)
+
+
+#: The kernel takes a graph's attention when each KV head serves at most this many queries (query heads per KV head
+#: times the block length) for every size the graph may see. It reads each key once per query (a dot product with a
+#: horizontal sum); the ATen form multiplies all of a head's queries by the gathered keys in one matmul, which wins
+#: with more queries. SmolLM2-135M's heads (3 per KV head), 8 rows, 200 tokens of context, one thread, us per layer
+#: (``kernel / ATen form compiled``): block of 1: 225 / 452, 2: 368 / 533, 4: 660 / 657, 8: 1264 / 1092.
+KERNEL_MAX_QUERIES = 8
+
+
+def _kernel_takes(q, k_pool, v_pool, k_block, v_block) -> bool:
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    from . import row_linear  # the library of the CPU kernels
+
+    tensors = [t for t in (q, k_pool, v_pool, k_block, v_block) if t is not None]
+    queries = (q.shape[1] // k_pool.shape[-2]) * q.shape[2]
+    return (all(t.dtype == torch.float32 and t.stride(-1) == 1 for t in tensors) and k_pool.dim() == 3
+            and statically_known_true(queries <= KERNEL_MAX_QUERIES)
+            and row_linear.attention_enabled() and row_linear.load())
+
+
+def aten_block_attention(
+    q: Tensor,
+    k_pool: Tensor,
+    v_pool: Tensor,
+    block_table: Tensor,
+    ctx_lens: Tensor,
+    q_positions: Tensor,
+    k_block: Tensor | None,
+    v_block: Tensor | None,
+    page_size: int,
+    causal: bool,
+    window: int,
+    scale: float,
+    chunk: int = 0,
+) -> Tensor:
+    """The op as plain ATen (every dtype): the context gathered out of the pool, then two matmuls."""
     B, Hq, T, D = q.shape
     Hkv = k_pool.shape[-2]
     G = Hq // Hkv

@@ -1,10 +1,12 @@
-"""``torch.ops.dflash_cpu.row_linear``: fp32 CPU linears with few rows, at the rate the weights stream from memory.
+"""``torch.ops.dflash_cpu.row_linear``: fp32 CPU linears with few rows, at the rate the weights stream from memory;
+and the library of the project's C++ CPU kernels it lives in.
 
-The C++ kernel (``row_linear.cpp``) is built once per machine on first use, with the host compiler for the host
-CPU, through ``torch.utils.cpp_extension`` (ninja), into a cache folder of its own (``build_dir``); later processes
-load the built library in milliseconds. ``load()`` returns whether the op is registered; when it cannot be built
-(no compiler, a build error) it says why once in the log and returns False, and the CPU lowering then keeps
-``aten.linear`` (``backends.row_linears``).
+The library (``row_linear.cpp`` and ``block_attention.cpp``, the paged attention the CPU lowering of
+``dflash::block_attention`` calls for fp32) is built once per machine on first use, with the host compiler for the
+host CPU, through ``torch.utils.cpp_extension`` (ninja), into a cache folder of its own (``build_dir``); later
+processes load the built library in milliseconds. ``load()`` returns whether its ops are registered; when it cannot
+be built (no compiler, a build error) it says why once in the log and returns False, and the CPU lowerings then keep
+``aten.linear`` (``backends.row_linears``) and the ATen form of the attention (``block_attention.py``).
 
 The op computes ``F.linear(x, weight, bias)``. For fp32 CPU inputs with ``MIN_ROWS`` to ``MAX_ROWS`` rows (``x``'s
 leading dimensions flattened) it streams a packed copy of the weight once and multiplies each loaded vector by every
@@ -34,7 +36,7 @@ log = logging.getLogger(__name__)
 #: measurement of the two was even (164 against 158 ms), so more than 32 rows stay MKL's. One row stays MKL's: as fast,
 #: and plain decoding at batch 1 then stays bit for bit HF's own.
 MIN_ROWS, MAX_ROWS = 2, 32
-SOURCE = Path(__file__).with_name("row_linear.cpp")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("row_linear.cpp", "block_attention.cpp"))
 _lock = threading.Lock()
 _state: dict = {}
 
@@ -56,7 +58,7 @@ def _cflags() -> list[str]:
 
 
 def library_name() -> str:
-    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + cpu_flags_digest().encode()
+    digest = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES) + torch.__version__.encode() + cpu_flags_digest().encode()
                             + " ".join(_cflags()).encode()).hexdigest()[:12]
     return f"dflash_row_linear_{digest}"
 
@@ -67,7 +69,8 @@ def load() -> bool:
     with _lock:
         if "ok" in _state:
             return _state["ok"]
-        if hasattr(torch.ops, "dflash_cpu") and hasattr(torch.ops.dflash_cpu, "row_linear"):
+        if hasattr(torch.ops, "dflash_cpu") and all(hasattr(torch.ops.dflash_cpu, op)
+                                                    for op in ("row_linear", "block_attention")):
             _state["ok"] = True
             return True
         try:
@@ -77,15 +80,14 @@ def load() -> bool:
             directory = build_dir() / name
             directory.mkdir(parents=True, exist_ok=True)
             if not any(directory.glob("*.so")):
-                log.warning("dflash: building the row_linear CPU kernel for this machine (once, ~15 s) in %s",
-                            directory)
-            cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(directory),
+                log.warning("dflash: building the CPU kernels for this machine (once, ~20 s) in %s", directory)
+            cpp_extension.load(name=name, sources=[str(src) for src in SOURCES], build_directory=str(directory),
                                extra_cflags=_cflags(),
                                is_python_module=False, verbose=bool(os.environ.get("DFLASH_VERBOSE_BUILD")))
             _state["ok"] = True
-        except Exception as e:  # no compiler or ninja, a build error: the lowering keeps aten.linear
-            log.warning("dflash: the row_linear CPU kernel could not be built (%s: %s); CPU step graphs keep "
-                        "aten.linear", type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        except Exception as e:  # no compiler or ninja, a build error: the lowerings keep their ATen forms
+            log.warning("dflash: the CPU kernels could not be built (%s: %s); CPU step graphs keep aten.linear and "
+                        "the ATen form of block_attention", type(e).__name__, str(e).splitlines()[0] if str(e) else "")
             _state["ok"] = False
         return _state["ok"]
 
@@ -104,12 +106,21 @@ def enabled() -> bool:
     return os.environ.get("DFLASH_ROW_LINEAR", "1") != "0"
 
 
+def attention_enabled() -> bool:
+    """False when ``DFLASH_CPU_ATTENTION=0`` switches the C++ paged attention off (the CPU lowering of
+    ``block_attention`` then keeps its ATen form)."""
+    return os.environ.get("DFLASH_CPU_ATTENTION", "1") != "0"
+
+
 def state() -> str:
-    """What CPU step graphs call for fp32 linears here: the library's name (it names the source, torch and CPU it
-    was built for), or why ``aten.linear`` stays (part of the compile cache's fingerprint)."""
-    if not enabled():
-        return "off"
-    return library_name() if load() else "unavailable"
+    """What CPU step graphs call for fp32 linears and attention here: the library's name (it names the sources,
+    torch and CPU it was built for) and which of its ops are off, or why neither is called (part of the compile
+    cache's fingerprint)."""
+    if not load():
+        return "unavailable"
+    off = [name for name, on in (("row_linear", enabled()), ("attention", attention_enabled())) if not on]
+    return library_name() + "".join(f" {name} off" for name in off)
 
 
-__all__ = ["MIN_ROWS", "MAX_ROWS", "load", "enabled", "state", "packed_weights", "build_dir", "library_name"]
+__all__ = ["MIN_ROWS", "MAX_ROWS", "SOURCES", "load", "enabled", "attention_enabled", "state", "packed_weights",
+           "build_dir", "library_name"]
