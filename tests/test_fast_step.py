@@ -77,10 +77,10 @@ def test_compiled_cpu_step_runs_no_python_op_and_reads_nothing_on_the_host():
     out = spec.generate(prompts, max_new_tokens=10, pad_token_id=PAD)
     assert torch.equal(out, eager.generate(prompts, max_new_tokens=10, pad_token_id=PAD))
     assert calls, "the compiled step never ran"
-    # beyond ATen, only the C++ kernel the CPU lowering gives fp32 linears (dflash_cpu::row_linear, a TORCH_LIBRARY
-    # kernel: no Python runs for it)
+    # beyond ATen, only the C++ kernels the CPU lowerings give fp32 linears and decoding attention
+    # (dflash_cpu::row_linear and ::block_attention, TORCH_LIBRARY kernels: no Python runs for them)
     others = {op for op in recorder.ops if not op.startswith("aten::")}
-    assert others <= {"dflash_cpu::row_linear"}, recorder.ops
+    assert others <= {"dflash_cpu::row_linear", "dflash_cpu::block_attention"}, recorder.ops
     for op in others:  # its CPU kernel was registered from C++ (a Python kernel is registered from a .py file)
         cpu = [line for line in torch._C._dispatch_dump(op).splitlines() if line.startswith("CPU:")]
         assert cpu and ".cpp:" in cpu[0], torch._C._dispatch_dump(op)

@@ -85,7 +85,9 @@ def test_the_lowering_calls_the_kernel_for_fp32_decoding_only(monkeypatch):
 
     assert "dflash_cpu.block_attention.default" in ops(torch.float32)
     assert not any(op.startswith("dflash_cpu") for op in ops(torch.float64))
-    assert not any(op.startswith("dflash_cpu") for op in ops(torch.float32, T=5))  # 10 queries per KV head
+    # 3 rows of 4 query heads (2 per KV head) over a block of 24: 48 queries per KV head, 288 in all
+    assert not any(op.startswith("dflash_cpu") for op in ops(torch.float32, T=24))
+    assert "dflash_cpu.block_attention.default" in ops(torch.float32, T=21)  # 252 in all
     monkeypatch.setenv("DFLASH_CPU_ATTENTION", "0")
     assert not any(op.startswith("dflash_cpu") for op in ops(torch.float32))
     assert row_linear.state().endswith(" attention off")

@@ -1,5 +1,5 @@
-"""CPU lowering of ``dflash::block_attention``: fp32 attention with few queries per KV head (decoding:
-``KERNEL_MAX_QUERIES``) calls the C++ paged attention (``block_attention.cpp``, ``dflash_cpu.block_attention``: K/V
+"""CPU lowering of ``dflash::block_attention``: fp32 attention with few queries (decoding, short blocks, small
+batches: ``KERNEL_MAX_QUERIES``) calls the C++ paged attention (``block_attention.cpp``, ``dflash_cpu.block_attention``: K/V
 read in place from the pool); anything else, or where the kernel cannot be built or ``DFLASH_CPU_ATTENTION=0``, runs
 the op as plain ATen, for Inductor to compile into C++ (``aten_block_attention``).
 
@@ -43,12 +43,16 @@ def block_attention(
     return aten_block_attention(*args)
 
 
-#: The kernel takes a graph's attention when each KV head serves at most this many queries (query heads per KV head
-#: times the block length) for every size the graph may see. It reads each key once per query (a dot product with a
-#: horizontal sum); the ATen form multiplies all of a head's queries by the gathered keys in one matmul, which wins
-#: with more queries. SmolLM2-135M's heads (3 per KV head), 8 rows, 200 tokens of context, one thread, us per layer
-#: (``kernel / ATen form compiled``): block of 1: 225 / 452, 2: 368 / 533, 4: 660 / 657, 8: 1264 / 1092.
+#: The kernel takes a graph's attention when, for every size the graph may see, each KV head serves at most
+#: ``KERNEL_MAX_QUERIES`` queries (query heads per KV head times the block length) or the call has at most
+#: ``KERNEL_MAX_TOTAL_QUERIES`` (rows times query heads times the block length). It reads each key once per query (a
+#: dot product with a horizontal sum); the ATen form multiplies all of a head's queries by the gathered keys in one
+#: matmul, which wins with many queries, and costs a fixed ~0.1 ms more per call, which loses with few. SmolLM2-135M's
+#: heads (9 query, 3 KV), 200 tokens of context, one thread, us per layer (``kernel / ATen form compiled``): 8 rows,
+#: block of 1: 225 / 452, 2: 368 / 533, 4: 660 / 657, 8: 1264 / 1092; block of 8, 1 row: 326 / 568, 2 rows: 331 /
+#: 377, 4 rows: 639 / 620; 4 rows, block of 4: 351 / 398.
 KERNEL_MAX_QUERIES = 8
+KERNEL_MAX_TOTAL_QUERIES = 256
 
 
 def _kernel_takes(q, k_pool, v_pool, k_block, v_block) -> bool:
@@ -57,9 +61,10 @@ def _kernel_takes(q, k_pool, v_pool, k_block, v_block) -> bool:
     from . import row_linear  # the library of the CPU kernels
 
     tensors = [t for t in (q, k_pool, v_pool, k_block, v_block) if t is not None]
-    queries = (q.shape[1] // k_pool.shape[-2]) * q.shape[2]
-    return (all(t.dtype == torch.float32 and t.stride(-1) == 1 for t in tensors) and k_pool.dim() == 3
-            and statically_known_true(queries <= KERNEL_MAX_QUERIES)
+    B, Hq, T = q.shape[:3]
+    few = (statically_known_true((Hq // k_pool.shape[-2]) * T <= KERNEL_MAX_QUERIES)
+           or statically_known_true(B * Hq * T <= KERNEL_MAX_TOTAL_QUERIES))
+    return (all(t.dtype == torch.float32 and t.stride(-1) == 1 for t in tensors) and k_pool.dim() == 3 and few
             and row_linear.attention_enabled() and row_linear.load())
 
 
