@@ -339,6 +339,12 @@ def main(argv=None) -> None:
     print(f"acceptance length {total.acceptance_length:.2f} over {total.num_drafts} drafts "
           f"(block size {spec.block_size}; speculation {spec.policy.describe()}; steps per K: {shares})")
     print("accepted per draft position:", total.num_accepted_tokens_per_pos)
+    spec.close()
+    if args.tp > 1:  # every rank done before the group (and rank 0's rendezvous store) goes: a rank that exits with
+        import torch.distributed as dist  # its gloo group alive can abort at interpreter exit
+
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
