@@ -60,9 +60,9 @@ def test_compiled_equals_eager_dflash_neuron(family_pair):
 
 
 # The target's layers as nested compile regions (the default for stacks of 16 layers and more: a real model's), with
-# the passes inside them: every layer calls one subgraph. Llama's layers read one mask: the region's attention is
-# block_attention. Gemma3's sliding and full layers trace to the same code and read different masks (inputs): no one
-# rule holds for the region's calls, so its attention stays SDPA (exact, not the fused op).
+# the passes inside them. Llama's layers call one subgraph and read one mask: its attention is block_attention.
+# Gemma3's sliding and full layers trace to the same code and read different masks (inputs): the subgraph is split,
+# a copy per mask, and each copy's attention is block_attention under its own rule.
 @pytest.mark.parametrize("family_pair", ["gemma3", "llama"], indirect=True)
 def test_compiled_regions_equal_eager(family_pair):
     _compiled_equals_eager(family_pair, "dflash", regions=True)
@@ -84,13 +84,13 @@ def _compiled_equals_eager(family_pair, backend, regions=False):
     # per target layer and per drafter.
     # Within a region a replacement counts once for all the layers that call it.
     n_target = per_graph = len(target.model.layers)
-    attention = per_graph
     if regions:
-        per_graph, attention = 1, {"gemma3": 0}.get(family, 1)
+        per_graph = {"gemma3": 2}.get(family, 1)
         assert counters["dflash"].pop("region_calls") == 2 * n_target
         assert counters["dflash"].pop("region_subgraphs") == 2 * per_graph
+        assert counters["dflash"].pop("region_splits", 0) == 2 * (per_graph - 1)
     assert dict(counters["dflash"]) == {
-        "fused_kv_proj": 2, "paged_kv_write": 2 * (per_graph + 1), "block_attention": 2 * (attention + 2),
+        "fused_kv_proj": 2, "paged_kv_write": 2 * (per_graph + 1), "block_attention": 2 * (per_graph + 2),
     }
     assert set(counters["dflash"]) == set(PASS_NAMES)
     again = _run(spec, prompts["again"])  # warm: new prompts, same buckets, no recompile (counted below)

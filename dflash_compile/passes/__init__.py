@@ -6,10 +6,12 @@ for the invariants they keep.
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 
 import torch
+from torch._dynamo.utils import counters
 
 from ._common import Region
 from .block_attention import BlockAttentionPass
@@ -57,12 +59,53 @@ def apply_passes(gm: torch.fx.GraphModule) -> dict[str, int]:
 
 
 def _regions(gm: torch.fx.GraphModule) -> dict[int, Region]:
-    """Each subgraph that ``gm`` calls through ``invoke_subgraph`` (by ``id``), with its calls."""
+    """Each subgraph that ``gm`` calls through ``invoke_subgraph`` (by ``id``), with its calls; a subgraph whose
+    calls pass different masks or read slots is split first (``_split``)."""
     calls: dict[int, tuple[torch.fx.GraphModule, list]] = {}
     for node in gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph):
         sub = getattr(gm, node.args[0].target)
         calls.setdefault(id(sub), (sub, []))[1].append(node)
-    return {key: Region(sub, nodes) for key, (sub, nodes) in calls.items()}
+    regions = {}
+    for sub, nodes in calls.values():
+        for part, part_calls in _split(gm, sub, nodes):
+            regions[id(part)] = Region(part, part_calls)
+    return regions
+
+
+def _split(gm: torch.fx.GraphModule, sub: torch.fx.GraphModule, calls: list) -> list[tuple]:
+    """``[(subgraph, its calls)]``: ``sub`` for all ``calls``, or, where they pass different tensors to an input that
+    is an attention mask or the indices of a gather (layers of one class under different masks: Gemma's sliding and
+    full layers trace to one subgraph), a copy of ``sub`` per group of calls that pass the same ones, each with an
+    identifier of its own, so the passes can read each group's rule where its inputs were made."""
+    inputs = list(sub.graph.find_nodes(op="placeholder"))
+    keyed = [i for i, p in enumerate(inputs) if any(_reads_as_rule(user, p) for user in p.users)]
+    groups: dict[tuple, list] = {}
+    for call in calls:
+        groups.setdefault(tuple(id(call.args[Region._OPERANDS + i]) for i in keyed), []).append(call)
+    if len(groups) == 1:
+        return [(sub, calls)]
+    parts = []
+    for n, group in enumerate(groups.values()):
+        part = sub if n == 0 else copy.deepcopy(sub)
+        if n:
+            name = f"{group[0].args[0].target}_part{n}"
+            gm.register_module(name, part)
+            with gm.graph.inserting_before(group[0]):
+                attr = gm.graph.get_attr(name)
+            for call in group:
+                call.args = (attr, f"{call.args[1]}_part{n}", *call.args[2:])
+        parts.append((part, group))
+    counters["dflash"]["region_splits"] += len(groups) - 1
+    return parts
+
+
+def _reads_as_rule(node: torch.fx.Node, p: torch.fx.Node) -> bool:
+    """``node`` reads ``p`` as an attention mask or as gather indices."""
+    if node.op != "call_function":
+        return False
+    if node.target is torch.ops.aten.scaled_dot_product_attention.default:
+        return len(node.args) > 3 and node.args[3] is p or node.kwargs.get("attn_mask") is p
+    return node.target is torch.ops.aten.index.Tensor and p in node.args[1]
 
 
 def passes_uuid() -> str:

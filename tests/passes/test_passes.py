@@ -1,6 +1,7 @@
 """Each pass on a small pre-dispatch graph: the graph before and after, the counter, and equal values."""
 
 import functools
+from collections import Counter
 
 import expecttest
 import torch
@@ -231,7 +232,9 @@ return block_attention_default""")
         # A decoder layer compiled as a nested region reads the mask and the read slots the step made once around
         # the layers: the pass follows those inputs to where they were made, reads the table, lengths and positions
         # into the region as new inputs, and drops the inputs nothing reads any more (the graph around stops making
-        # the mask and the slots). Layers called with different masks keep their SDPA: no one rule holds for them.
+        # the mask and the slots). Layers of one subgraph called with different masks (Gemma's sliding and full
+        # layers) get a copy of it per mask, each rewritten under its own rule. A float mask (no visibility rule;
+        # dynamo inlines those calls) keeps its SDPA.
         from dflash_compile.backends import dflash_passes
         from dflash_compile.passes import graph_modules
 
@@ -242,14 +245,18 @@ return block_attention_default""")
 
         def step(q, pools, table, kv_lens, positions, windows):
             read, key_pos = read_slots(table, kv_lens, 4)
-            masks = [context_visibility(positions, kv_lens, key_pos, MaskSpec(window=w))[:, None] for w in windows]
+            masks = []
+            for w in windows:
+                m = context_visibility(positions, kv_lens, key_pos, MaskSpec(window=w if w != "float" else None))
+                masks.append(m[:, None] if w != "float" else torch.zeros(m[:, None].shape).masked_fill(~m[:, None],
+                                                                                                     -1e9))
             for i, pool in enumerate(pools):
                 q = layer(q, pool, read, masks[i % len(masks)])
             return q
 
         args = (torch.randn(2, 1, 2, 8), [torch.randn(2, 4 * 4 + 2, 1, 8) for _ in range(3)],
                 torch.tensor([[2, 0], [3, 1]]), torch.tensor([6, 3]), torch.tensor([[4, 5], [1, 2]]))
-        for windows, rewritten in (((3,), True), ((3, None), False)):
+        for windows, parts, splits, rewritten in (((3,), 1, 0, 1), ((3, None), 2, 1, 2), ((3, "float"), 1, 0, 1)):
             passed = []
 
             def capture(gm, example_inputs):
@@ -260,20 +267,26 @@ return block_attention_default""")
             counters.clear()
             compiled = torch.compile(functools.partial(step, windows=windows), backend=capture, fullgraph=True)
             torch.testing.assert_close(compiled(*args), step(*args, windows))
-            top, sub = graph_modules(passed[0])
-            self.assertEqual(counters["dflash"]["block_attention"], int(rewritten), windows)
-            self.assertEqual("scaled_dot_product_attention" in sub.code, not rewritten)
-            if not rewritten:
+            top, *subs = graph_modules(passed[0])
+            self.assertEqual(len(subs), parts, windows)
+            self.assertEqual(counters["dflash"]["region_splits"], splits, windows)
+            self.assertEqual(counters["dflash"]["block_attention"], rewritten, windows)
+            self.assertFalse(any("scaled_dot_product_attention" in sub.code for sub in subs))
+            self.assertEqual("scaled_dot_product_attention" in top.code, windows[-1] == "float")
+            calls = top.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph)
+            self.assertEqual(len({call.args[1] for call in calls}), parts)  # an identifier per copy
+            if windows != (3,):
                 continue
-            self.assertExpectedInline(sub.code.strip(), """\
-def forward(self, arg0_1, arg2_1, outer_arg1_1, outer_arg0_1, outer_arg2_1):
+            self.assertExpectedInline(subs[0].code.strip(), """\
+def forward(self, arg0_1, arg2_1, outer_arg0_1, outer_arg1_1, outer_arg2_1):
     select = torch.ops.aten.select.int(arg0_1, 0, 0)
     select_1 = torch.ops.aten.select.int(arg0_1, 0, 1);  arg0_1 = None
-    block_attention_default = torch.ops.dflash.block_attention.default(arg2_1, select, select_1, outer_arg1_1, outer_arg0_1, outer_arg2_1, None, None, 4, True, 3, 0.5, 0);  select = select_1 = outer_arg1_1 = outer_arg0_1 = outer_arg2_1 = None
+    block_attention_default = torch.ops.dflash.block_attention.default(arg2_1, select, select_1, outer_arg0_1, outer_arg1_1, outer_arg2_1, None, None, 4, True, 3, 0.5, 0);  select = select_1 = outer_arg0_1 = outer_arg1_1 = outer_arg2_1 = None
     add = torch.ops.aten.add.Tensor(block_attention_default, arg2_1);  block_attention_default = arg2_1 = None
     return (add,)""")
-            # around the region: no mask, no read slots, just the three calls with the step's own inputs
-            self.assertEqual([n.op for n in top.graph.nodes if n.op == "call_function"], ["call_function"] * 6)
+            # around the region: no mask, no read slots, just the three calls (and their outputs) on the step's inputs
+            self.assertEqual(Counter(str(n.target) for n in top.graph.nodes if n.op == "call_function"),
+                             {"invoke_subgraph": 3, "<built-in function getitem>": 3})
 
     def test_float_mask_is_left_alone(self):
         def eager_mask(q, pool, table, kv_lens, positions):
