@@ -7,8 +7,8 @@
 // 65 ms step; docs/benchmarks.md). Here each (row, KV head) task walks the row's block table and reads every visible
 // key and value once from its slot, for all the query heads that share it (GQA without a repeat), with no copy.
 //
-// Per task: the scores of its G * T queries ([G * T, context + block] floats on the stack of the task's thread, in
-// a buffer of its own), a softmax per query in fp32, then the value rows weighted into the output. Keys a query does
+// Per task: the scores of its G * T queries (a [G * T, keys] buffer per worker thread, reused from task to task), a
+// softmax per query in fp32, then the value rows weighted into the output. Keys a query does
 // not see are never read for it (-inf score, weight 0), so garbage or NaN at unallocated or stale slots cannot reach
 // the output; a key no query of the task sees is not read at all, nor is a context position at or past the row's
 // length (its page may be unallocated, -1). A query that sees no key returns zeros. Summation order differs from
@@ -219,8 +219,8 @@ at::Tensor block_attention(const at::Tensor& q_in, const at::Tensor& k_pool_in, 
       const int64_t n_ctx = std::min<int64_t>(std::max<int64_t>(lp[b], 0), NB * page_size);
       // the keys some query of this row sees, with their rows in the pool (or the block)
       keys.clear(), values.clear(), key_pos.clear();
-      int64_t lo = std::numeric_limits<int64_t>::max(), hi = std::numeric_limits<int64_t>::min();
-      for (int64_t t = 0; t < T; ++t) lo = std::min(lo, P[t]), hi = std::max(hi, P[t]);
+      int64_t hi = std::numeric_limits<int64_t>::min();  // the last query position
+      for (int64_t t = 0; t < T; ++t) hi = std::max(hi, P[t]);
       for (int64_t p = 0; p < n_ctx; ++p) {
         bool seen = false;
         for (int64_t t = 0; t < T && !seen; ++t) seen = rule.sees(P[t], p);
