@@ -1,11 +1,11 @@
 """CPU lowering of ``dflash::block_attention``: fp32 attention with few queries (decoding, short blocks, small
-batches: ``KERNEL_MAX_QUERIES``) calls the C++ paged attention (``block_attention.cpp``, ``dflash_cpu.block_attention``: K/V
-read in place from the pool); anything else, or where the kernel cannot be built or ``DFLASH_CPU_ATTENTION=0``, runs
-the op as plain ATen, for Inductor to compile into C++ (``aten_block_attention``).
+batches: ``KERNEL_MAX_QUERIES``) calls the C++ paged attention (``block_attention.cpp``,
+``dflash_cpu.block_attention``: K/V read in place from the pool); anything else, or where the kernel cannot be built
+or ``DFLASH_CPU_ATTENTION=0``, runs the op as plain ATen, for Inductor to compile into C++ (``aten_block_attention``).
 
 The backend traces this function into the step graph in place of the op (``lowerings.lower``), so the compiled
-step never calls back into Python for attention. The ATen form walks exactly the context the block table spans: the step
-hands each graph the table of its context-length bucket, so the cost follows the live context with no host
+step never calls back into Python for attention. The ATen form walks exactly the context the block table spans: the
+step hands each graph the table of its context-length bucket, so the cost follows the live context with no host
 read. GQA runs without repeating K/V: the ``G = Hq // Hkv`` query heads of a KV head are stacked on the query
 dim (``[B, Hkv, G * T, D]``). Keys no query sees are zeroed, so garbage (even NaN) in the pool at masked slots
 cannot reach the output; a query that sees no key returns zeros (SDPA would return NaN). Half-precision inputs

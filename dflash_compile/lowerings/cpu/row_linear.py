@@ -58,7 +58,8 @@ def _cflags() -> list[str]:
 
 
 def library_name() -> str:
-    digest = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES) + torch.__version__.encode() + cpu_flags_digest().encode()
+    sources = b"".join(src.read_bytes() for src in SOURCES)
+    digest = hashlib.sha256(sources + torch.__version__.encode() + cpu_flags_digest().encode()
                             + " ".join(_cflags()).encode()).hexdigest()[:12]
     return f"dflash_row_linear_{digest}"
 
