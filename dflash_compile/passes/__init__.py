@@ -13,7 +13,7 @@ import hashlib
 import torch
 from torch._dynamo.utils import counters
 
-from ._common import Region
+from ._common import Region, bound_args
 from .block_attention import BlockAttentionPass
 from .fused_kv import FusedKVProjPass
 from .paged_scatter import PagedKVWritePass
@@ -104,7 +104,7 @@ def _reads_as_rule(node: torch.fx.Node, p: torch.fx.Node) -> bool:
     if node.op != "call_function":
         return False
     if node.target is torch.ops.aten.scaled_dot_product_attention.default:
-        return len(node.args) > 3 and node.args[3] is p or node.kwargs.get("attn_mask") is p
+        return bound_args(node)["attn_mask"] is p
     return node.target is torch.ops.aten.index.Tensor and p in node.args[1]
 
 

