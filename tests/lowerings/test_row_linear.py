@@ -51,6 +51,7 @@ def test_leading_dims_are_rows_and_results_do_not_depend_on_the_other_rows_or_th
     _check_close(x, w)
     # a row's value is the same whichever rows share the call (in the op's range) and whatever the thread count
     assert torch.equal(out[1, 2:4], _op(x[1, 2:4], w))
+    assert torch.equal(out[1, 3:4], _op(x[1, 3:4], w))  # one row alone (plain decoding at batch 1) too
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
@@ -62,8 +63,7 @@ def test_leading_dims_are_rows_and_results_do_not_depend_on_the_other_rows_or_th
 def test_outside_its_range_it_is_at_linear_bit_for_bit():
     g = torch.Generator().manual_seed(1)
     w = torch.randn(64, 32, generator=g)
-    one, many = torch.randn(1, 32, generator=g), torch.randn(row_linear.MAX_ROWS + 1, 32, generator=g)
-    assert torch.equal(_op(one, w), F.linear(one, w))  # one row: plain decoding at batch 1 stays HF's own
+    many = torch.randn(row_linear.MAX_ROWS + 1, 32, generator=g)
     assert torch.equal(_op(many, w), F.linear(many, w))
     x = torch.randn(4, 32, generator=g)
     assert torch.equal(_op(x.double(), w.double()), F.linear(x.double(), w.double()))
@@ -117,7 +117,7 @@ def test_the_avx2_form_equals_linear_too():
         from dflash_compile.lowerings.cpu import row_linear
         assert row_linear.load()
         g = torch.Generator().manual_seed(3)
-        for rows in (2, 3, 4, 5, 9, 32):
+        for rows in (1, 2, 3, 4, 5, 9, 32):
             for n, k in ((37, 20), (100, 577), (48, 64)):
                 x, w, b = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
                 ref = F.linear(x.double(), w.double(), b.double())

@@ -9,7 +9,7 @@
 //
 // The packed copy of a weight is made at its first call and kept (as much memory again as the weight) while the
 // weight's storage lives; it is made again when the weight changes in place (its version counter) or another tensor
-// takes its address. Outside kMinRows..kMaxRows rows, and for other dtypes, layouts or devices and inference tensors
+// takes its address. Outside kMinRows..kMaxRows rows (1..32), and for other dtypes, layouts or devices and inference tensors
 // (no version counter), the op calls at::linear itself. It has no derivative: with grad mode on, an input that
 // requires grad is an error.
 //
@@ -25,6 +25,10 @@
 #include <mutex>
 #include <map>
 #include <tuple>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -44,6 +48,26 @@ inline vec load(const float* p) {
   vec v;
   __builtin_memcpy(&v, p, sizeof(vec));
   return v;
+}
+
+// acc + a * w, rounded once, by the same instruction in every instantiation. Left to the compiler
+// (-ffp-contract=fast), GCC fused the product into the sum for some row counts and not for others (its tuning for some
+// CPUs splits a chain of multiply-adds on one accumulator), so a row computed alone differed in the last bit from the
+// same row computed with others; a row's result must not depend on the row count (plain decoding at batch 1 and a
+// verified block read the same values). The intrinsics' types made GCC keep the accumulators in memory; an asm
+// statement keeps them in registers.
+inline vec fmadd(float a, vec w, vec acc) {
+  const vec av = a - vec{};  // a in every lane (a - 0 is a, signed zeros included)
+#if defined(__x86_64__) && (defined(__AVX512F__) || defined(__FMA__))
+  asm("vfmadd231ps %[w], %[a], %[acc]" : [acc] "+v"(acc) : [a] "v"(av), [w] "v"(w));
+  return acc;
+#elif defined(__ARM_FEATURE_FMA)
+  vec r;
+  for (int j = 0; j < kLanes; ++j) r[j] = __builtin_fmaf(a, w[j], acc[j]);  // one fused instruction per lane
+  return r;
+#else
+  return acc + av * w;  // no fused multiply-add in this CPU: nothing for the compiler to fuse either
+#endif
 }
 
 // ------------------------------------------------------------------------------------------------ packed weights
@@ -104,7 +128,7 @@ void panels(const float* x, const float* packed, const float* bias, float* out, 
     for (int q = 0; q < NP; ++q) wv[q] = load(w + (q * K + k) * kLanes);
     for (int m = 0; m < MC; ++m) {
       const float xv = x[m * K + k];
-      for (int q = 0; q < NP; ++q) acc[m][q] += xv * wv[q];
+      for (int q = 0; q < NP; ++q) acc[m][q] = fmadd(xv, wv[q], acc[m][q]);
     }
   }
   for (int q = 0; q < NP; ++q) {
