@@ -321,6 +321,50 @@ def test_a_wrapper_changes_folder_with_the_thread_count(tmp_path):
     assert steps.folder() == first
 
 
+def test_a_passed_paged_forward_check_is_recorded_in_the_folder_and_not_run_again(monkeypatch, tmp_path):
+    """The target's paged-forward check (~1.2 s for SmolLM2-135M) runs once per compile-cache folder: a later wrapper
+    (a restarted process) with the same folder skips it; another folder, or a wrapper with no cache, runs it."""
+    from dflash_compile.runtime import cache_manager
+
+    runs = []
+    real = cache_manager.check_paged_forward
+    monkeypatch.setattr(cache_manager, "check_paged_forward", lambda *a: (runs.append(1), real(*a)))
+
+    def pools(cache_dir, **compile_kwargs):
+        target, spec = _pair()
+        if cache_dir is not None:
+            spec.compile(backend="dflash", cache_dir=cache_dir, on_miss="eager", **compile_kwargs)
+        spec.kv_cache()
+        return spec
+
+    first = pools(tmp_path)
+    record = first.compiled_steps.check_record()
+    assert len(runs) == 1 and record.parent == first.compiled_steps.folder()
+    assert json.loads(record.read_text())["dtype"] == "torch.float32"
+    pools(tmp_path)
+    assert len(runs) == 1  # the same folder: recorded, not run again
+    pools(tmp_path / "other")
+    pools(None)
+    assert len(runs) == 3
+    record.unlink()
+    pools(tmp_path)
+    assert len(runs) == 4 and record.exists()
+
+
+def test_a_failed_paged_forward_check_is_not_recorded(monkeypatch, tmp_path):
+    from dflash_compile.runtime import cache_manager
+
+    def fails(*a):
+        raise ValueError("the target fails over the paged cache (a test)")
+
+    monkeypatch.setattr(cache_manager, "check_paged_forward", fails)
+    _, spec = _pair()
+    spec.compile(backend="dflash", cache_dir=tmp_path, on_miss="eager")
+    with pytest.raises(ValueError, match="a test"):
+        spec.kv_cache()
+    assert not spec.compiled_steps.check_record().exists()
+
+
 def test_a_step_dynamo_cannot_package_compiles_in_process(monkeypatch, caplog, tmp_path):
     # When the ahead-of-time capture cannot package a step (an unpicklable object in its guard state), the key is
     # compiled the ordinary way and kept in memory, said once; tokens stay exact and nothing is saved.

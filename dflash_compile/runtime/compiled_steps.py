@@ -445,6 +445,12 @@ class CompiledSteps:
             self._folder = (state, self.cache_dir / digest, fp)
         return self._folder[1]
 
+    def check_record(self) -> Path | None:
+        """Where a passed paged-forward check of the target is recorded in this wrapper's folder (``CacheManager``),
+        or None (no cache)."""
+        folder = self.folder()
+        return None if folder is None else folder / "paged_forward_checked.json"
+
     def _header(self, key: StepKey) -> bytes:
         return json.dumps({"key": dataclasses.asdict(key), "folder": self.folder().name}, sort_keys=True).encode()
 

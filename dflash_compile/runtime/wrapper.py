@@ -221,6 +221,7 @@ class DFlashSpecWrapper(nn.Module):
                                                  options=options, fullgraph=fullgraph, dynamic=dynamic,
                                                  regions=regions, **kwargs)
         self.compiled_steps.listeners.append(self.scheduler.graph_event)  # a step that compiled is not timed
+        self.pools.check_record = self.compiled_steps.check_record
 
     @property
     def compiled(self) -> bool:
