@@ -36,12 +36,13 @@ constexpr int64_t kMinRows = DFLASH_ROW_LINEAR_MIN_ROWS;
 constexpr int64_t kMaxRows = DFLASH_ROW_LINEAR_MAX_ROWS;
 #ifdef __AVX512F__
 constexpr int kLanes = 16;    // one zmm register
-constexpr int kRowChunk = 8;  // rows per pass over a panel pair: 8 x 2 accumulators of the 32 registers
+constexpr int kRowChunk = 8;  // rows per pass over a group of panels
+constexpr int kPanels = 2;    // panels dotted together: 8 x 2 accumulators of the 32 registers
 #else
 constexpr int kLanes = 8;     // one ymm register (AVX2), or what GCC makes of it elsewhere
-constexpr int kRowChunk = 4;  // 4 x 2 accumulators of 16 registers
+constexpr int kRowChunk = 4;
+constexpr int kPanels = 3;    // 4 x 3 accumulators, 3 weight vectors and a broadcast: the 16 registers
 #endif
-constexpr int kPanels = 2;    // panels dotted together: each input value loaded once for 2 * kLanes columns
 typedef float vec __attribute__((vector_size(kLanes * sizeof(float))));
 
 inline vec load(const float* p) {
@@ -152,7 +153,7 @@ void panels_np(int np, const float* x, const float* packed, const float* bias, f
   if (np == kPanels)
     panels<MC, kPanels>(x, packed, bias, out, N, K, p);
   else
-    panels<MC, 1>(x, packed, bias, out, N, K, p);
+    for (int q = 0; q < np; ++q) panels<MC, 1>(x, packed, bias, out, N, K, p + q);
 }
 
 template <int... Ms>
@@ -174,7 +175,7 @@ struct Rows<M, Ms...> {
 
 void run(int64_t rows, const float* x, const float* packed, const float* bias, float* out, int64_t N, int64_t K) {
   const int64_t P = (N + kLanes - 1) / kLanes, groups = (P + kPanels - 1) / kPanels;
-  // a task: ~64 KB of packed weights; every row chunk of a panel pair while it is in the cache
+  // a task: ~64 KB of packed weights; every row chunk of a group of panels while it is in the cache
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(K * kLanes * kPanels / 16, 1));
   at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
