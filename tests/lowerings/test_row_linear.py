@@ -60,6 +60,20 @@ def test_leading_dims_are_rows_and_results_do_not_depend_on_the_other_rows_or_th
         torch.set_num_threads(threads)
 
 
+def test_the_kernels_run_on_the_threads_torch_is_given():
+    """The library is built with OpenMP: its at::parallel_for (a header template compiled into it) splits a call over
+    the calling thread's torch.get_num_threads(). Built without it, every kernel ran on one thread at any count
+    (so two threads were no faster than one)."""
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            assert torch.ops.dflash_cpu.parallel_workers(16) == n
+        assert torch.ops.dflash_cpu.parallel_workers(1) == 1  # one task: one thread
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_outside_its_range_it_is_at_linear_bit_for_bit():
     g = torch.Generator().manual_seed(1)
     w = torch.randn(64, 32, generator=g)

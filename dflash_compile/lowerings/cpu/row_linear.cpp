@@ -232,6 +232,19 @@ std::tuple<int64_t, int64_t> packed_weights() {
   return {static_cast<int64_t>(cache.size()), bytes};
 }
 
+// How many threads at::parallel_for gives this library's kernels for `tasks` tasks: the calling thread's
+// torch.get_num_threads() (capped by the tasks) when the library was built with OpenMP, 1 when it was not (its
+// parallel_for is a header template compiled in here; a build without -fopenmp ran every kernel on one thread).
+int64_t parallel_workers(int64_t tasks) {
+  std::mutex m;
+  int64_t most = 0;
+  at::parallel_for(0, tasks, 1, [&](int64_t, int64_t) {
+    std::lock_guard<std::mutex> lock(m);
+    most = std::max<int64_t>(most, at::get_thread_num() + 1);
+  });
+  return most;
+}
+
 at::Tensor row_linear_meta(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   auto sizes = x.sym_sizes().vec();
   sizes.back() = weight.sym_size(0);
@@ -243,10 +256,12 @@ at::Tensor row_linear_meta(const at::Tensor& x, const at::Tensor& weight, const 
 TORCH_LIBRARY_FRAGMENT(dflash_cpu, m) {
   m.def("row_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
   m.def("row_linear_packed_weights() -> (int, int)");
+  m.def("parallel_workers(int tasks) -> int");
 }
 
 TORCH_LIBRARY_IMPL(dflash_cpu, CPU, m) { m.impl("row_linear", row_linear); }
 TORCH_LIBRARY_IMPL(dflash_cpu, Meta, m) { m.impl("row_linear", row_linear_meta); }
 TORCH_LIBRARY_IMPL(dflash_cpu, CompositeExplicitAutograd, m) {
   m.impl("row_linear_packed_weights", packed_weights);
+  m.impl("parallel_workers", parallel_workers);
 }

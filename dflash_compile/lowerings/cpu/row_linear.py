@@ -54,7 +54,9 @@ def build_dir() -> Path:
 def _cflags() -> list[str]:
     # DFLASH_ROW_LINEAR_CFLAGS adds compiler flags (the tests build the AVX2 form on an AVX-512 machine with
     # "-mno-avx512f", in a process of its own)
-    return ["-O3", "-march=native", "-ffp-contract=fast", f"-DDFLASH_ROW_LINEAR_MIN_ROWS={MIN_ROWS}",
+    # -fopenmp: at::parallel_for is a header template whose `omp parallel` is compiled into this library; without
+    # the flag it ran every call on one thread whatever torch.set_num_threads said
+    return ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", f"-DDFLASH_ROW_LINEAR_MIN_ROWS={MIN_ROWS}",
             f"-DDFLASH_ROW_LINEAR_MAX_ROWS={MAX_ROWS}", *os.environ.get("DFLASH_ROW_LINEAR_CFLAGS", "").split()]
 
 
@@ -84,7 +86,7 @@ def load() -> bool:
             if not any(directory.glob("*.so")):
                 log.warning("dflash: building the CPU kernels for this machine (once, ~20 s) in %s", directory)
             cpp_extension.load(name=name, sources=[str(src) for src in SOURCES], build_directory=str(directory),
-                               extra_cflags=_cflags(),
+                               extra_cflags=_cflags(), extra_ldflags=["-fopenmp"],
                                is_python_module=False, verbose=bool(os.environ.get("DFLASH_VERBOSE_BUILD")))
             _state["ok"] = True
         except Exception as e:  # no compiler or ninja, a build error: the lowerings keep their ATen forms
