@@ -1,9 +1,9 @@
 // dflash_cpu::row_linear(x, weight, bias) = F.linear(x, weight, bias) for fp32 CPU tensors, with a kernel of its own
 // for the row counts a speculative step has (a few rows per request: the verified block, the drafter's block).
 //
-// Why: at 2-32 rows MKL's fp32 GEMM runs far below the rate at which the weights stream from memory (SmolLM2-135M's
+// Why: at a few rows MKL's fp32 GEMM runs far below the rate at which the weights stream from memory (SmolLM2-135M's
 // linears, one thread: 43.7 ms for one row, 102.6 ms for eight; docs/benchmarks.md), while a linear with that few rows
-// is memory-bound. The kernel reads the weight from a packed copy (panels of kLanes output columns, each panel's
+// is memory-bound; up to 128 rows the kernel still beats it (row_linear.py has the figures). The kernel reads the weight from a packed copy (panels of kLanes output columns, each panel's
 // K rows of kLanes floats contiguous), so one pass streams it once, in order, and each loaded vector of weights is
 // multiplied by every input row (one broadcast multiply-add per row): no horizontal sums, no strided reads.
 //

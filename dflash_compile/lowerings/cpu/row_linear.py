@@ -30,13 +30,13 @@ from .host import cpu_flags_digest
 
 log = logging.getLogger(__name__)
 
-#: The row counts the kernel of its own runs (outside them, ``at::linear``). On this project's CPU, one thread, every
-#: linear of SmolLM2-135M streamed from memory once (538 MB): MKL 46 / 76 / 103 / 104 ms at 2 / 4 / 8 / 16 rows, the
-#: kernel 41 / 44 / 52 / 70, and 118 against 93 at 32 rows (``benchmarks/bench_row_linear.py``); at 64 rows a first
-#: measurement of the two was even (164 against 158 ms), so more than 32 rows stay MKL's. One row (plain decoding at
-#: batch 1): MKL 38.6 ms, the kernel 28.3 (1.36x; with 2 threads 37.7 against 25.8). A row's result is then the
-#: same at every row count from 1 to 32 (batch 1 or 8, a verified block or one token), not bit for bit HF's own.
-MIN_ROWS, MAX_ROWS = 1, 32
+#: The row counts the kernel of its own runs (outside them, ``at::linear``). On this project's CPU, every linear of
+#: SmolLM2-135M streamed from memory once (538 MB), ``benchmarks/bench_row_linear.py``'s op table, ms, MKL / kernel:
+#: one thread, 1 row 37.5 / 23.8, 8 rows 81.2 / 38.3, 16 rows 107.8 / 61.5, 32 rows 175 / 117, 64 rows 303 / 207, 128
+#: rows 498 / 411; two threads, 1 row 37.2 / 16.5, 8 rows 77.8 / 23.9, 64 rows 192 / 122, 128 rows 276 / 223. More
+#: than 128 rows (not measured here: a prefill, which runs eagerly) stay MKL's. A row's result is the same at every
+#: row count from 1 to 128 (batch 1 or 8, a verified block or one token), not bit for bit HF's own.
+MIN_ROWS, MAX_ROWS = 1, 128
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("row_linear.cpp", "block_attention.cpp"))
 _lock = threading.Lock()
 _state: dict = {}
