@@ -85,6 +85,9 @@ def load() -> bool:
             directory.mkdir(parents=True, exist_ok=True)
             if not any(directory.glob("*.so")):
                 log.warning("dflash: building the CPU kernels for this machine (once, ~20 s) in %s", directory)
+            if (directory / "lock").exists():  # torch's build lock: it waits while the file exists, without a word
+                log.warning("dflash: %s exists: another process is building the CPU kernels, or a build was killed "
+                            "(then remove that file); waiting for it", directory / "lock")
             cpp_extension.load(name=name, sources=[str(src) for src in SOURCES], build_directory=str(directory),
                                extra_cflags=_cflags(), extra_ldflags=["-fopenmp"],
                                is_python_module=False, verbose=bool(os.environ.get("DFLASH_VERBOSE_BUILD")))
