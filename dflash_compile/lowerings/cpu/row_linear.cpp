@@ -3,15 +3,16 @@
 //
 // Why: at a few rows MKL's fp32 GEMM runs far below the rate at which the weights stream from memory (SmolLM2-135M's
 // linears, one thread: 43.7 ms for one row, 102.6 ms for eight; docs/benchmarks.md), while a linear with that few rows
-// is memory-bound; up to 128 rows the kernel still beats it (row_linear.py has the figures). The kernel reads the weight from a packed copy (panels of kLanes output columns, each panel's
-// K rows of kLanes floats contiguous), so one pass streams it once, in order, and each loaded vector of weights is
-// multiplied by every input row (one broadcast multiply-add per row): no horizontal sums, no strided reads.
+// is memory-bound; up to 128 rows the kernel still beats it (row_linear.py has the figures). The kernel reads the
+// weight from a packed copy (panels of kLanes output columns, each panel's K rows of kLanes floats contiguous), so
+// one pass streams it once, in order, and each loaded vector of weights is multiplied by every input row (one
+// broadcast multiply-add per row): no horizontal sums, no strided reads.
 //
 // The packed copy of a weight is made at its first call and kept (as much memory again as the weight) while the
 // weight's storage lives; it is made again when the weight changes in place (its version counter) or another tensor
-// takes its address. Outside kMinRows..kMaxRows rows (1..32), and for other dtypes, layouts or devices and inference tensors
-// (no version counter), the op calls at::linear itself. It has no derivative: with grad mode on, an input that
-// requires grad is an error.
+// takes its address. Outside kMinRows..kMaxRows rows (1..128), and for other dtypes, layouts or devices and
+// inference tensors (no version counter), the op calls at::linear itself. It has no derivative: with grad mode on,
+// an input that requires grad is an error.
 //
 // Built on first use with the host compiler for the host CPU (-march=native: GCC's vector types become AVX-512,
 // AVX2 or what the machine has); see row_linear.py.
@@ -25,10 +26,6 @@
 #include <mutex>
 #include <map>
 #include <tuple>
-
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#endif
 
 namespace {
 
