@@ -104,7 +104,9 @@ def test_step_after_passes_keeps_only_dflash_ops_for_the_hot_patterns():
 def test_repeated_target_layers_compile_as_one_region_with_the_passes_inside():
     # With regions (the default) the step graph calls one subgraph from every target layer; the passes run inside
     # it (the pool write is replaced there, once for all layers) and on the step around it (the drafter's ops).
-    from torch._dynamo.utils import counters
+    # Dynamo traces the first layer alone and stamps the others out of it (each layer hands the region its own
+    # pool, not the whole cache, so torch's subgraph reuse applies).
+    from torch._dynamo.utils import compilation_time_metrics, counters
 
     from dflash_compile.passes import graph_modules
 
@@ -121,6 +123,7 @@ def test_repeated_target_layers_compile_as_one_region_with_the_passes_inside():
 
     torch._dynamo.reset()
     counters.clear()
+    compilation_time_metrics.clear()
     spec.compile(backend=capture, fullgraph=True, regions=True)  # (by default only stacks of 16 layers and more)
     assert spec.compiled_steps.keys.regions and spec.compiled_steps.keys.region_types == [type(target.model.layers[0])]
     ref = DFlashSpecWrapper(target, draft, 3, **kw)
@@ -130,6 +133,9 @@ def test_repeated_target_layers_compile_as_one_region_with_the_passes_inside():
     assert "forward" not in vars(type(target.model.layers[0])) or not hasattr(
         type(target.model.layers[0]).forward, "__marked_compile_region_fn__")  # the mark is gone after tracing
     assert len(graphs) == 1
+    traced = len(compilation_time_metrics["invoke_subgraph_trace"])
+    stamped = len(compilation_time_metrics["invoke_subgraph_reuse_stamp_out"])
+    assert (traced, stamped) == (1, n_target - 1)
     top, *subs = graph_modules(graphs[0])
     calls = top.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph)
     assert len(calls) == n_target and len(subs) == 1 and {n.args[0].target for n in calls} == {"repeated_subgraph0"}

@@ -51,6 +51,28 @@ def _check_rows(pool_row, new: torch.Tensor) -> None:
         raise ValueError(f"target K/V are [{new.shape[1]}, {new.shape[3]}] per token, the pool holds {tuple(pool_row)}")
 
 
+class _OneLayerCache(Cache):
+    """The cache a decoder layer compiled as a region sees (``runtime/regions.py``): its own pool alone, whatever
+    layer index it asks for, so nothing in the region depends on the layer's index."""
+
+    def __init__(self, layer: PagedTargetLayer):
+        super().__init__(layers=[layer])
+
+    def update(self, key_states, value_states, layer_idx=None, *args, **kwargs):
+        return self.layers[0].update(key_states, value_states, *args, **kwargs)
+
+    def get_seq_length(self, layer_idx=0) -> int:
+        return self.layers[0].get_seq_length()
+
+    def get_mask_sizes(self, query_length, layer_idx=0):
+        return self.layers[0].get_mask_sizes(query_length)
+
+
+def one_layer_cache(pool, write: torch.Tensor, read: torch.Tensor) -> Cache:
+    """A cache of one ``PagedTargetLayer`` over ``pool`` that every layer index maps to."""
+    return _OneLayerCache(PagedTargetLayer(pool, write, read))
+
+
 def paged_target_cache(target_pools, write: torch.Tensor, read: torch.Tensor, states=None) -> Cache:
     """An HF ``Cache`` whose layers read and write ``target_pools`` (one per layer) through slot tensors.
 

@@ -200,7 +200,7 @@ class _InProcessStep:
         args, kwargs = self._steps.keys.marked(self._key, args, kwargs)  # the sizes the capture left open, again
         cfg = torch._dynamo.config  # every wrapper shares forward's code object, hence one dynamo cache for all keys
         limit = max(cfg.recompile_limit, cfg.accumulated_recompile_limit)
-        with _TRACING, compile_regions(self._steps.keys.region_types), size_oblivious(), cfg.patch(
+        with _TRACING, compile_regions(self._steps.keys.region_types, self._steps.spec.target), size_oblivious(), cfg.patch(
                 automatic_dynamic_shapes=False, recompile_limit=limit):
             return self._fn(*args, **kwargs)
 
@@ -405,7 +405,7 @@ class CompiledSteps:
         args, kwargs = self.keys.marked(key, args, kwargs)
         start = time.perf_counter()
         backend = _serializable(_backend_callable(self.backend, self.mode, self.options))
-        with _TRACING, self._inductor_cache(), torch.no_grad(), compile_regions(self.keys.region_types), \
+        with _TRACING, self._inductor_cache(), torch.no_grad(), compile_regions(self.keys.region_types, self.spec.target), \
                 torch._dynamo.config.patch(automatic_dynamic_shapes=False), size_oblivious():
             compiled = torch.compile(self.spec.dflash_step, backend=backend, fullgraph=True, dynamic=False, options={
                 "guard_filter_fn": torch.compiler.keep_portable_guards_unsafe})
