@@ -94,20 +94,28 @@ def test_saved_graph_is_loaded_not_compiled_and_reads_the_live_weights(saved, tm
 
 
 def test_another_process_loads_the_saved_graph(saved, tmp_path):
-    cache, _, prompt = saved
+    cache, folder, prompt = saved
     script = textwrap.dedent(f"""
         import json, sys
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         import torch
+        from torch._inductor.cpu_vec_isa import VecISA
         from test_compile_cache import _pair, _new_tokens, _reference
+        probes = []
+        check_build = VecISA.check_build
+        VecISA.check_build = lambda self, code: probes.append(str(self)) or check_build(self, code)
         target, spec = _pair()
         spec.compile(backend="dflash", cache_dir={str(cache)!r})
         same = _new_tokens(spec, {prompt!r}, 24) == _reference(target, {prompt!r}, 24)
-        print(json.dumps([same, [how for _, how, _ in spec.compiled_steps.events]]))
+        print(json.dumps([same, [how for _, how, _ in spec.compiled_steps.events], probes]))
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == [True, ["loaded"]]
+    # loaded, and Inductor's vector-ISA probe skipped: the folder records the ISA its kernels were built for
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [True, ["loaded"], []]
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    assert json.loads((folder / "vec_isa.json").read_text()) == {"isa": str(pick_vec_isa())}
 
 
 def _damage(path: Path, how: str, other: Path | None = None) -> None:

@@ -238,6 +238,7 @@ class CompiledSteps:
         # while it compiles or loads a step, so that copying the compile cache carries them.
         self.inductor_dir = None if self.cache_dir is None else self.cache_dir / "inductor"
         self._fns: dict[StepKey, object] = {}
+        self._prepacking = None  # the helper thread packing the CPU kernel's weight copies (``_prepack``)
         self._checked: set[StepKey] = set()
         self._device = None  # (device, dtype) of the models the graphs were made for
         self._folder: tuple | None = None  # ((device, dtype, threads), folder, fingerprint)
@@ -292,6 +293,7 @@ class CompiledSteps:
                    if k not in self._fns and k not in self._background]
         if not missing or self.on_miss in ("eager", "error"):
             return
+        self._prepack()
         if self.on_miss == "compile":
             self._prepare_all(missing, progress=True)
             return
@@ -300,9 +302,19 @@ class CompiledSteps:
                 if key not in self._fns and key not in self._background and self._load(key) is None:
                     self._compile_in_background(key)
 
+    def _prepack(self) -> None:
+        """Before graphs are loaded or compiled for CPU fp32 models: the ``row_linear`` kernel's packed weight copies
+        made on a helper thread meanwhile (``row_linear.prepack``), once per wrapper."""
+        if self._prepacking is not None or self.backend not in ("dflash", "dflash_neuron"):
+            return
+        from ..lowerings.cpu import row_linear
+
+        self._prepacking = row_linear.prepack(self.spec.target, self.spec.draft) or False
+
     def _prepare_all(self, keys: list[StepKey], progress: bool) -> dict:
         from tqdm.auto import tqdm
 
+        self._prepack()
         report = {}
         with tqdm(keys, desc="dflash precompile", unit="graph", disable=not progress) as bar:
             for key in bar:
@@ -381,7 +393,9 @@ class CompiledSteps:
         thread.start()
 
     def wait(self) -> None:
-        """Wait for every background compile in progress."""
+        """Wait for every background compile in progress (and the weight packing)."""
+        if self._prepacking:
+            self._prepacking.join()
         for thread in list(self._background.values()):
             if thread is not None:
                 thread.join()
@@ -451,6 +465,17 @@ class CompiledSteps:
         folder = self.folder()
         return None if folder is None else folder / "paged_forward_checked.json"
 
+    def vec_isa_record(self) -> Path | None:
+        """Where the vector ISA Inductor built this folder's CPU kernels for is recorded (None: no cache, or not a CPU
+        Inductor backend). A process that loads the folder's graphs skips Inductor's probe of that ISA (a test
+        program compiled, then loaded in a child Python: ~0.3-0.5 s of a warm start): the compile that wrote the
+        folder passed it on a CPU with the same feature flags and the same torch (the fingerprint)."""
+        folder = self.folder()
+        cpu = next(self.spec.target.parameters()).device.type == "cpu"
+        if folder is None or not cpu or self.backend not in ("dflash", "inductor"):
+            return None
+        return folder / "vec_isa.json"
+
     def _header(self, key: StepKey) -> bytes:
         return json.dumps({"key": dataclasses.asdict(key), "folder": self.folder().name}, sort_keys=True).encode()
 
@@ -479,6 +504,11 @@ class CompiledSteps:
             if not meta.exists():
                 atomic_write_binary(str(meta), json.dumps(self._folder[2], indent=1, sort_keys=True).encode())
             atomic_write_binary(str(folder / key.filename), blob)
+            isa = self.vec_isa_record()
+            if isa is not None and not isa.exists() and "torch._inductor.cpu_vec_isa" in sys.modules:
+                from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+                atomic_write_binary(str(isa), json.dumps({"isa": str(pick_vec_isa())}).encode())
         except OSError as e:
             self._say_once("unwritable", "dflash: cannot write the compile cache at %s (%s); compiled steps stay "
                            "in memory", folder, e)
@@ -494,7 +524,11 @@ class CompiledSteps:
             payload = self._unwrap(key, blob)
             if self.backend in ("dflash", "dflash_neuron") and next(self.spec.target.parameters()).device.type == "cpu":
                 _row_linear_state()  # registers torch.ops.dflash_cpu.row_linear, which the saved graph may call
-            with _TRACING, self._inductor_cache(), torch._inductor.config.patch(self._load_options()):
+            options = self._load_options()
+            isa = self.vec_isa_record()
+            if isa is not None and isa.exists() and json.loads(isa.read_text()).get("isa"):
+                options["cpp.vec_isa_ok"] = True  # the probe passed when the folder was compiled
+            with _TRACING, self._inductor_cache(), torch._inductor.config.patch(options):
                 fn = torch.compiler.load_compiled_function(io.BytesIO(payload), external_data={"step": self.spec.dflash_step})
         except Exception as e:  # a damaged or foreign entry never stops a request: compile instead
             self._warn(key, f"{type(e).__name__}: {e}".splitlines()[0][:200], path)

@@ -106,6 +106,27 @@ def test_packed_copies_follow_the_weight_in_place_and_go_with_it():
     assert row_linear.packed_weights()[0] <= before + 1  # its own (its weight gone too), not w's or w2's
 
 
+def test_prepack_packs_the_linears_the_op_takes_on_a_helper_thread_and_the_op_finds_them():
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.ReLU(), torch.nn.Linear(48, 40),
+                                torch.nn.Linear(40, 24).to(torch.bfloat16))  # bf16: not the op's
+    gc.collect()
+    keep = torch.randn(8, 8)
+    _op(torch.randn(2, 8), keep)  # drops the copies of weights gone before: every copy held now has a live weight
+    before = row_linear.packed_weights()[0]
+    thread = row_linear.prepack(model)
+    assert thread.name == "dflash-prepack"
+    thread.join()
+    assert row_linear.packed_weights()[0] == before + 2  # the two fp32 weights, not the bf16 one
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        out = _op(x, model[0].weight, model[0].bias)
+    assert row_linear.packed_weights()[0] == before + 2  # the op found the copy made ahead
+    assert torch.equal(out, _op(x, model[0].weight.clone(), model[0].bias))  # the same values as a copy it packs
+    torch.testing.assert_close(out, F.linear(x, model[0].weight, model[0].bias))
+    assert row_linear.prepack(torch.nn.Sequential(torch.nn.ReLU())) is None  # nothing to pack: no thread
+
+
 def test_a_weight_and_a_slice_of_it_at_the_same_address_keep_their_own_copies():
     g = torch.Generator().manual_seed(5)
     x, fused = torch.randn(4, 32, generator=g), torch.randn(96, 32, generator=g)

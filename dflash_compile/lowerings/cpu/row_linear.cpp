@@ -70,12 +70,14 @@ inline vec fmadd(float a, vec w, vec acc) {
 
 // ------------------------------------------------------------------------------------------------ packed weights
 // packed[p][k][j] = weight[p * kLanes + j][k] (zero past the last row): [ceil(N / kLanes), K, kLanes]
-at::Tensor pack(const at::Tensor& weight) {
+// `parallel`: on torch's threads (a step's first call); else on the calling thread alone (a helper thread packing
+// ahead of the step, which must not start a thread team of its own next to the step's).
+at::Tensor pack(const at::Tensor& weight, bool parallel) {
   const int64_t N = weight.size(0), K = weight.size(1), P = (N + kLanes - 1) / kLanes;
   at::Tensor packed = at::empty({P, K, kLanes}, weight.options());
   const float* src = weight.data_ptr<float>();
   float* dst = packed.data_ptr<float>();
-  at::parallel_for(0, P, 8, [&](int64_t p0, int64_t p1) {
+  at::parallel_for(0, P, parallel ? 8 : P, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p)
       for (int j = 0; j < kLanes; ++j) {
         const int64_t n = p * kLanes + j;
@@ -100,7 +102,7 @@ struct Packed {
 std::mutex cache_mutex;
 std::map<std::tuple<const void*, int64_t, int64_t>, Packed> cache;
 
-at::Tensor packed_for(const at::Tensor& weight) {
+at::Tensor packed_for(const at::Tensor& weight, bool parallel = true) {
   std::lock_guard<std::mutex> lock(cache_mutex);
   const auto key = std::make_tuple(static_cast<const void*>(weight.data_ptr()), weight.size(0), weight.size(1));
   const int64_t version = weight._version();
@@ -108,7 +110,7 @@ at::Tensor packed_for(const at::Tensor& weight) {
   if (it != cache.end() && !it->second.storage.expired() && it->second.version == version)
     return it->second.packed;
   for (auto e = cache.begin(); e != cache.end();) e = e->second.storage.expired() ? cache.erase(e) : std::next(e);
-  Packed entry{weight.storage().getWeakStorageImpl(), version, pack(weight)};
+  Packed entry{weight.storage().getWeakStorageImpl(), version, pack(weight, parallel)};
   cache.insert_or_assign(key, entry);
   return entry.packed;
 }
@@ -220,6 +222,14 @@ at::Tensor row_linear(const at::Tensor& x, const at::Tensor& weight, const std::
   return out.view(sizes);
 }
 
+// Packs `weight` now, as its first row_linear call would (any row count the op takes), on the calling thread alone:
+// `row_linear.prepack` calls it from a helper thread while the step graphs load, so a warm start's first step does
+// not pack every weight itself. A weight the op would not take (not an fp32 contiguous CPU matrix) is left alone.
+void row_linear_prepack(const at::Tensor& weight) {
+  const at::Tensor one_row = at::empty({1, weight.dim() == 2 ? weight.size(1) : 0}, weight.options());
+  if (takes(one_row, weight, std::nullopt)) packed_for(weight, /*parallel=*/false);
+}
+
 // The packed copies the op holds now, (copies, bytes): a copy whose weight is gone counts until the next call that
 // packs drops it. For tests and the memory figure in the docs.
 std::tuple<int64_t, int64_t> packed_weights() {
@@ -253,6 +263,7 @@ at::Tensor row_linear_meta(const at::Tensor& x, const at::Tensor& weight, const 
 TORCH_LIBRARY_FRAGMENT(dflash_cpu, m) {
   m.def("row_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
   m.def("row_linear_packed_weights() -> (int, int)");
+  m.def("row_linear_prepack(Tensor weight) -> ()");
   m.def("parallel_workers(int tasks) -> int");
 }
 
@@ -260,5 +271,6 @@ TORCH_LIBRARY_IMPL(dflash_cpu, CPU, m) { m.impl("row_linear", row_linear); }
 TORCH_LIBRARY_IMPL(dflash_cpu, Meta, m) { m.impl("row_linear", row_linear_meta); }
 TORCH_LIBRARY_IMPL(dflash_cpu, CompositeExplicitAutograd, m) {
   m.impl("row_linear_packed_weights", packed_weights);
+  m.impl("row_linear_prepack", row_linear_prepack);
   m.impl("parallel_workers", parallel_workers);
 }
