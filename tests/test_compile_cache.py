@@ -118,6 +118,44 @@ def test_another_process_loads_the_saved_graph(saved, tmp_path):
     assert json.loads((folder / "vec_isa.json").read_text()) == {"isa": str(pick_vec_isa())}
 
 
+def test_a_parameter_changed_before_the_first_call_is_caught_without_its_guard(saved, tmp_path, caplog):
+    """Saved steps keep no tensor guards on parameters (``step_guards``: building them was ~0.3 s of a warm start);
+    the fingerprint holds every parameter's shape, dtype, strides and device, and a key's first call checks them:
+    a weight replaced by a strided one after the graphs were loaded sends the step to the folder of the new
+    parameters (here none: ``on_miss="eager"``), with one warning, and the tokens stay the target's."""
+    cache, _, prompt = saved
+    shutil.copytree(cache, tmp_path / "c")
+    target, spec = _pair()
+    spec.compile(backend="dflash", cache_dir=tmp_path / "c", on_miss="eager")
+    spec.precompile(batch_sizes=[1], progress=False)
+    assert [how for _, how, _ in spec.compiled_steps.events] == ["loaded"]
+    weight = target.lm_head.weight
+    with torch.no_grad():
+        target.lm_head.weight = torch.nn.Parameter(weight.t().contiguous().t())  # same values, other strides
+    assert target.lm_head.weight.stride() != weight.stride()
+    with caplog.at_level(logging.WARNING, logger="dflash_compile"):
+        assert _new_tokens(spec, prompt, 24) == _reference(target, prompt, 24)
+    assert sum("parameters changed" in r.getMessage() for r in caplog.records) == 1
+    hows = [how for _, how, _ in spec.compiled_steps.events]
+    assert hows[0] == "loaded" and set(hows[1:]) == {"eager"}
+
+
+def test_saved_steps_keep_no_tensor_guards_on_parameters():
+    from torch._dynamo.types import GuardFilterEntry
+
+    from dflash_compile.runtime.compiled_steps import step_guards
+
+    def entry(kind, value, is_global=False):
+        return GuardFilterEntry(name="x", has_value=True, value=value, guard_type=kind, derived_guard_types=(),
+                                is_global=is_global, orig_guard=None)
+
+    param, plain = torch.nn.Parameter(torch.ones(2)), torch.ones(2)
+    entries = [entry("TENSOR_MATCH", param), entry("TENSOR_MATCH", plain), entry("GLOBAL_STATE", None),
+               entry("SHAPE_ENV", None), entry("ID_MATCH", plain), entry("TENSOR_MATCH", plain, is_global=True)]
+    assert step_guards(entries) == [False, True, True, True, False, False]
+    assert step_guards(entries, parameters=True) == [True, True, True, True, False, False]
+
+
 def _damage(path: Path, how: str, other: Path | None = None) -> None:
     blob = path.read_bytes()
     if how == "corrupted":

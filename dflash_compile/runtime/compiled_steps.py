@@ -105,7 +105,23 @@ def _config_json(config) -> str:
 
 
 def _module_signature(module: torch.nn.Module) -> list:
-    return [(name, tuple(p.shape), str(p.dtype)) for name, p in module.state_dict().items()]
+    """Every parameter and buffer: name, shape, dtype, strides, device. The fingerprint holds it, and a key's first
+    call checks it again (``_parameters_changed``) in place of dynamo's tensor guards on parameters
+    (``step_guards``)."""
+    return [(name, tuple(p.shape), str(p.dtype), tuple(p.stride()), str(p.device))
+            for name, p in module.state_dict(keep_vars=True).items()]
+
+
+def step_guards(entries, parameters: bool = False) -> list[bool]:
+    """The guards a saved step keeps: torch's portable ones (tensor metadata, global state such as grad mode, the
+    dynamic-shape ranges), less (``parameters=False``) the tensor guards on the models' parameters, a few hundred of
+    them (SmolLM2's two graphs: ~570 of 653), whose building was ~0.3 s of a warm start: the fingerprint names the
+    folder after every parameter's shape, dtype, strides and device, and ``run`` checks them before a key's first
+    call in a process. Steps without a folder (a backend callable) and tensor-parallel steps (their parameters are
+    DTensors) keep them (``parameters=True``)."""
+    keep = torch.compiler.keep_portable_guards_unsafe(entries)
+    return [k and (parameters or not (e.guard_type == "TENSOR_MATCH" and isinstance(e.value, torch.nn.Parameter)))
+            for k, e in zip(keep, entries)]
 
 
 def fingerprint(spec, backend: str, mode, options: dict, regions: bool = False) -> dict:
@@ -348,6 +364,13 @@ class CompiledSteps:
                 raise RuntimeError(f"no compiled step for {key} (on_miss='error'): precompile it first, with "
                                    f"spec.precompile(...)")
         if key not in self._checked:  # a loaded entry answers to its own guards once; then the key fixes the shapes
+            if self._parameters_changed():  # what the guards left out (step_guards): the graphs are for others
+                log.warning("dflash: the models' parameters changed shape, dtype, strides or device since the step "
+                            "graphs in use were made; %s goes to the graphs of the new parameters", key)
+                self._fns.clear()
+                self._checked.clear()
+                self._folder = None
+                return self.run(key, args, kwargs)
             if not fn.guard_check(*args, **kwargs):
                 debug = fn._artifacts.guard_manager.check_verbose(fn.prepare_f_locals(*args, **kwargs))
                 reason = "; ".join(getattr(debug, "verbose_code_parts", None) or [str(debug)]).replace("\n", " ")
@@ -359,6 +382,15 @@ class CompiledSteps:
             fn.disable_guard_check()
             self._checked.add(key)
         return fn(*args, **kwargs)
+
+    def _parameters_changed(self) -> bool:
+        """Whether a parameter of the pair differs in shape, dtype, strides or device from when this wrapper's folder
+        (and so its graphs) was settled; False without a folder (a backend callable keeps dynamo's guards)."""
+        if self._folder is None:
+            return False
+        fp = self._folder[2]
+        return (fp["target"][3] != _module_signature(self.spec.target)
+                or fp["draft"][2] != _module_signature(self.spec.draft))
 
     def _record(self, key: StepKey, how: str, seconds: float) -> None:
         self.events.append((key, how, seconds))
@@ -422,7 +454,8 @@ class CompiledSteps:
         with _TRACING, self._inductor_cache(), torch.no_grad(), compile_regions(self.keys.region_types, self.spec.target), \
                 torch._dynamo.config.patch(automatic_dynamic_shapes=False), size_oblivious():
             compiled = torch.compile(self.spec.dflash_step, backend=backend, fullgraph=True, dynamic=False, options={
-                "guard_filter_fn": torch.compiler.keep_portable_guards_unsafe})
+                "guard_filter_fn": functools.partial(
+                    step_guards, parameters=self.spec.tp is not None or self.cache_dir is None)})
             try:
                 fn = compiled.forward.aot_compile((tuple(args), dict(kwargs)))
             except (torch._dynamo.exc.PackageError, TypeError, AttributeError, pickle.PicklingError) as e:
