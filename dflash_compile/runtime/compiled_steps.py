@@ -216,8 +216,8 @@ class _InProcessStep:
         args, kwargs = self._steps.keys.marked(self._key, args, kwargs)  # the sizes the capture left open, again
         cfg = torch._dynamo.config  # every wrapper shares forward's code object, hence one dynamo cache for all keys
         limit = max(cfg.recompile_limit, cfg.accumulated_recompile_limit)
-        with _TRACING, compile_regions(self._steps.keys.region_types, self._steps.spec.target), size_oblivious(), cfg.patch(
-                automatic_dynamic_shapes=False, recompile_limit=limit):
+        regions = compile_regions(self._steps.keys.region_types, self._steps.spec.target)
+        with _TRACING, regions, size_oblivious(), cfg.patch(automatic_dynamic_shapes=False, recompile_limit=limit):
             return self._fn(*args, **kwargs)
 
 
@@ -451,7 +451,8 @@ class CompiledSteps:
         args, kwargs = self.keys.marked(key, args, kwargs)
         start = time.perf_counter()
         backend = _serializable(_backend_callable(self.backend, self.mode, self.options))
-        with _TRACING, self._inductor_cache(), torch.no_grad(), compile_regions(self.keys.region_types, self.spec.target), \
+        regions = compile_regions(self.keys.region_types, self.spec.target)
+        with _TRACING, self._inductor_cache(), torch.no_grad(), regions, \
                 torch._dynamo.config.patch(automatic_dynamic_shapes=False), size_oblivious():
             compiled = torch.compile(self.spec.dflash_step, backend=backend, fullgraph=True, dynamic=False, options={
                 "guard_filter_fn": functools.partial(
@@ -541,7 +542,8 @@ class CompiledSteps:
             if isa is not None and not isa.exists() and "torch._inductor.cpu_vec_isa" in sys.modules:
                 from torch._inductor.cpu_vec_isa import pick_vec_isa
 
-                atomic_write_binary(str(isa), json.dumps({"isa": str(pick_vec_isa())}).encode())
+                picked = pick_vec_isa()  # falsy when Inductor found no ISA it can build: nothing is skipped then
+                atomic_write_binary(str(isa), json.dumps({"isa": str(picked) if picked else ""}).encode())
         except OSError as e:
             self._say_once("unwritable", "dflash: cannot write the compile cache at %s (%s); compiled steps stay "
                            "in memory", folder, e)

@@ -116,11 +116,9 @@ def prepack(*modules: torch.nn.Module) -> threading.Thread | None:
     overlaps the loading of the saved graphs (Python). A weight the step packs first is not packed twice (the op's
     cache is locked); a weight changed afterwards is packed again by its next call. None when the kernel is off or
     not built, or no weight qualifies; else the started (daemon) thread."""
-    if not enabled() or not load():
-        return None
     weights = {id(m.weight): m.weight for module in modules for m in module.modules()
                if isinstance(m, torch.nn.Linear) and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"}
-    if not weights:
+    if not weights or not enabled() or not load():  # (no CPU fp32 weight: the library is not even built)
         return None
 
     def work():
@@ -154,5 +152,5 @@ def state() -> str:
     return library_name() + "".join(f" {name} off" for name in off)
 
 
-__all__ = ["MIN_ROWS", "MAX_ROWS", "SOURCES", "load", "enabled", "attention_enabled", "state", "packed_weights", "prepack",
-           "build_dir", "library_name"]
+__all__ = ["MIN_ROWS", "MAX_ROWS", "SOURCES", "load", "enabled", "attention_enabled", "state", "packed_weights",
+           "prepack", "build_dir", "library_name"]
