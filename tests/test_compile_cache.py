@@ -124,7 +124,7 @@ def test_another_process_loads_the_saved_graph(saved, tmp_path):
 
 
 def test_a_parameter_changed_before_the_first_call_is_caught_without_its_guard(saved, tmp_path, caplog):
-    """Saved steps keep no tensor guards on parameters (``step_guards``: building them was ~0.3 s of a warm start);
+    """Saved steps keep no tensor guards on parameters (``step_guards``: building them was most of a graph's load);
     the fingerprint holds every parameter's shape, dtype, strides and device, and a key's first call checks them:
     a weight replaced by a strided one after the graphs were loaded sends the step to the folder of the new
     parameters (here none: ``on_miss="eager"``), with one warning, and the tokens stay the target's."""
