@@ -1,7 +1,7 @@
 """The compiled step at one thread and at the default thread count, side by side in one process.
 
     python benchmarks/bench_threads.py [--pair chat|tiny] [--cases 1:0 1:7 8:0] [--threads 1 2] [--rounds 7]
-        [--calls 10] [--on main worker] [--name NAME]
+        [--calls 10] [--on main worker released] [--name NAME]
 
 A CPU step graph is guarded on the intra-op thread count, so each count gets a wrapper of its own (compiled or
 loaded from ``build/bench-threads-cache``), over the same pair. A case ``B:K`` is a wrapper with one batch bucket
@@ -10,8 +10,10 @@ prompts (``bench_step.step_inputs``). A round times ``--calls`` step calls at ea
 untimed call), so every count meets the same machine; the figure is the median over ``--rounds`` rounds, ms per
 step. The default ``--threads`` is 1 and torch's default count here (all cores).
 
-``--on`` says which Python thread calls the step: ``main`` (the process's main thread) and/or ``worker`` (one
-long-lived other thread, as ``generate`` and the server step on the scheduler's thread); each is a row of its own.
+``--on`` says which Python thread calls the step, each a row of its own: ``main`` (the process's main thread),
+``worker`` (one long-lived other thread while the main thread keeps its idle OpenMP team: how ``generate`` and the
+server stepped before ``runtime/openmp.py``) and ``released`` (the worker, after the main thread released its team,
+as the scheduler's callers now do).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ def case_times(target, draft, batch: int, k: int, threads: list[int], rounds: in
                on: str = "main") -> dict[int, list]:
     from bench_step import step_inputs
     from dflash_compile import DFlashSpecWrapper
+    from dflash_compile.runtime import openmp
 
     wrappers = {}
     for n in threads:
@@ -54,11 +57,16 @@ def case_times(target, draft, batch: int, k: int, threads: list[int], rounds: in
                 spec.step(*inputs, propose=k > 0)
         return (time.perf_counter() - t0) / calls * 1e3
 
+    def on_worker(n: int) -> float:
+        if on == "released":
+            openmp.release_idle_team()
+        return worker.submit(timed, n).result()
+
     times = {n: [] for n in threads}
     with ThreadPoolExecutor(max_workers=1) as worker:  # one thread for every call, as the scheduler's
         for _ in range(rounds):
             for n in threads:
-                times[n].append(timed(n) if on == "main" else worker.submit(timed, n).result())
+                times[n].append(timed(n) if on == "main" else on_worker(n))
     return times
 
 
@@ -69,8 +77,9 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, nargs="+", default=None)
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--calls", type=int, default=10)
-    p.add_argument("--on", nargs="+", choices=("main", "worker"), default=["main"],
-                   help="the Python thread that calls the step: the main one, another one, or both (a row each)")
+    p.add_argument("--on", nargs="+", choices=("main", "worker", "released"), default=["main"],
+                   help="the thread that calls the step: the main one, another one while the main one keeps its "
+                   "OpenMP team, another one after it released it (a row each)")
     p.add_argument("--name", default=None)
     args = p.parse_args(argv)
     threads = args.threads or sorted({1, torch.get_num_threads()})

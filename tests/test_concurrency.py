@@ -2,6 +2,7 @@
 output; the request API (submit / iterate / result / cancel); verifying fewer drafts than the drafter proposes
 (num_speculative_tokens); vLLM's speculative_config."""
 
+import os
 import threading
 import time
 from concurrent.futures import CancelledError
@@ -309,3 +310,47 @@ def test_the_driver_thread_uses_the_callers_thread_count():
             assert seen and set(seen) == {threads}
     finally:
         torch.set_num_threads(n)
+
+
+def test_the_submitting_thread_releases_its_idle_openmp_workers(monkeypatch):
+    # Two OpenMP teams on as many cores make libgomp's workers sleep between regions (runtime/openmp.py): the
+    # thread that hands its requests to the driver frees its own idle team, and the driver never frees its own.
+    from dflash_compile.runtime import scheduler
+
+    target, spec = _pair()
+    callers = []
+    monkeypatch.setattr(scheduler.openmp, "release_idle_team", lambda: callers.append(threading.current_thread()))
+    spec.generate([[5, 6, 7]], max_new_tokens=4)
+    assert callers == [threading.main_thread()]
+
+
+_TEAM_SCRIPT = """
+import os, time, torch
+from dflash_compile.runtime import openmp
+def tasks():
+    return len(os.listdir("/proc/self/task"))
+torch.set_num_threads(2)
+a = torch.randn(1 << 20)
+for _ in range(20):
+    a.add_(1.0)  # a parallel region: the main thread's team of two
+before = tasks()
+released = openmp.release_idle_team()
+deadline = time.time() + 5
+while tasks() >= before and time.time() < deadline:
+    time.sleep(0.01)
+print(openmp._pause_all() is not None, released, before, tasks())
+"""
+
+
+def test_release_idle_team_frees_the_calling_threads_openmp_workers():
+    import subprocess
+    import sys
+
+    if not torch.backends.openmp.is_available() or not os.path.isdir("/proc/self/task"):
+        pytest.skip("needs torch built with OpenMP, on Linux")
+    out = subprocess.run([sys.executable, "-c", _TEAM_SCRIPT], capture_output=True, text=True, check=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "2"}).stdout.split()
+    if out[0] != "True":
+        pytest.skip("this torch's OpenMP runtime is not libgomp (it keeps no team per thread to release)")
+    assert out[1] == "True"
+    assert int(out[3]) == int(out[2]) - 1, out  # the one worker of the two-thread team is gone

@@ -6,7 +6,9 @@ gone when no request is left) runs the loop: at every step boundary it drops can
 queued ones that fit (prefilled together: one forward per run of similar prompt lengths, ``prefill_groups``) and
 runs one step of everything running. So requests that arrive separately share the batch, each at the next step
 after it arrives. The driver runs the steps with the intra-op thread count (``torch.get_num_threads()``) of the
-thread that submitted last (OpenMP's team size is per thread: a new thread would get the process default).
+thread that submitted last (OpenMP's team size is per thread: a new thread would get the process default), and a
+submitting thread releases its own idle OpenMP workers (``openmp.py``: two teams on as many cores make every
+parallel region of a step wait for a sleeping worker).
 Everything a request produces (tokens, its streamer's calls, its finish) is its own: a
 streamer that raises fails that request alone, and the others' rows never see its tokens (row outputs do not
 depend on other rows). An error the driver cannot pin on one request (the step itself failing) fails every
@@ -33,6 +35,7 @@ import torch
 from ..step.step import SamplingInputs
 from .batch import Batch
 from .generation import GenerationArgs
+from . import openmp
 from .handles import Request, RequestHandle
 from .ranks import ranks_for
 from .speculation import StepView
@@ -104,6 +107,9 @@ class Scheduler:
             if self._driver is None:
                 self._driver = threading.Thread(target=self._drive, name="dflash-scheduler")  # exit waits for it
                 self._driver.start()
+            driver = self._driver
+        if threading.current_thread() is not driver:  # the driver's team the only one while the caller waits
+            openmp.release_idle_team()
         return handles
 
     def _rows(self) -> int:  # queued, joining and running (the lock held)
