@@ -50,6 +50,7 @@ import transformers  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, CompileConfig  # noqa: E402
 
 from dflash_compile import DFlashDraftModel, DFlashSpecWrapper  # noqa: E402
+from dflash_compile.runtime import openmp  # noqa: E402
 from pairs import resolve_pair  # noqa: E402  (benchmarks/pairs.py)
 
 METHODS = ("hf_greedy", "hf_compiled", "dflash_k7", "dflash_k1", "dflash_auto")
@@ -150,6 +151,7 @@ class Bench:
                 errors.append(e)
 
         clients = [threading.Thread(target=client) for _ in range(b)]
+        openmp.release_idle_team()  # this thread ran HF's method: its OpenMP team would be a second one (openmp.py)
         for c in clients:
             c.start()
         for c in clients:

@@ -19,6 +19,7 @@ from ..paged.pools import PagedKVCache
 from ..primitives.masks import MaskSpec
 from ..primitives.slots import pages
 from ..step.step import DFlashStep
+from . import openmp
 from .cache_manager import CacheManager
 from .distributed import TensorParallel, rank_identity, split_drafter
 from .generation import generate_output
@@ -249,10 +250,14 @@ class DFlashSpecWrapper(nn.Module):
         or ``"both"``; static-context backends (``dflash_neuron``) compile every context bucket too. Every
         (:meth:`step_graphs`) variant the policy may use: with ``dflash``/``inductor`` two graphs per batch bucket
         and sampling mode under ``speculation="auto"``. Returns ``{str(key): (how, seconds)}``, ``how`` one of
-        ``"compiled"``, ``"loaded"``, ``"ready"``. Call :meth:`compile` first."""
+        ``"compiled"``, ``"loaded"``, ``"ready"``. Call :meth:`compile` first. The calling thread's idle OpenMP
+        workers are released at the end (``runtime/openmp.py``: the steps run on the scheduler's thread)."""
         if self.compiled_steps is None:
             raise RuntimeError("precompile() needs a backend: call spec.compile(backend=...) first")
-        return self.compiled_steps.precompile(batch_sizes, sampling, progress)
+        try:
+            return self.compiled_steps.precompile(batch_sizes, sampling, progress)
+        finally:
+            openmp.release_idle_team()
 
     # ------------------------------------------------------------------ pools
     def kv_cache(self, num_blocks: int | None = None) -> PagedKVCache:
