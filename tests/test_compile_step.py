@@ -13,8 +13,9 @@ class CountingBackend:
     def __init__(self):
         self.graphs = []  # the batch size of each compiled step graph
 
-    def __call__(self, gm, example_inputs):
-        self.graphs.append(next(t.shape[0] for t in example_inputs if isinstance(t, torch.Tensor) and t.dim() == 2))
+    def __call__(self, gm, example_inputs):  # the graph's own view of its inputs: a dynamic batch is a symbol
+        values = [n.meta.get("example_value") for n in gm.graph.find_nodes(op="placeholder")]
+        self.graphs.append(next(v.shape[0] for v in values if isinstance(v, torch.Tensor) and v.dim() == 2))
         return gm.forward
 
 
@@ -41,20 +42,38 @@ def test_step_compiles_once_per_bucket(family):
     assert backend.graphs == [4] and [how for _, how, _ in spec.compiled_steps.events] == ["compiled"]
 
 
-def test_one_graph_per_bucket():
+def test_one_graph_for_one_row_and_one_for_every_bucket_from_two():
+    """The batch is a dynamic size from 2 rows (``StepKeys.open_batch``): buckets 2 and 4 share a graph, whose
+    batch dimension reaches the backend as a symbol; one row keeps a static graph. Every batch size from 1 to 4
+    gives the eager step's tokens, with no graph compiled after the first two."""
     target = tiny_target("llama")
     draft = DFlashDraftModel.from_target(target, num_layers=2, block_size=4, target_layer_ids=[1, 3], seed=0)
     spec = DFlashSpecWrapper(target, draft, speculation="fixed", max_batch_size=4, batch_buckets=(1, 2, 4),
                              max_seq_len=96)
+    prompts = _prompts([5, 8, 13, 4], 2)
+    eager = [spec.generate(prompts[:n], max_new_tokens=6, pad_token_id=PAD) for n in (1, 2, 3, 4)]
     backend = CountingBackend()
     spec.compile(backend=backend, fullgraph=True)
     torch._dynamo.reset()
-    prompts = _prompts([5, 8, 13, 4], 2)
-    spec.generate(prompts[:1], max_new_tokens=6)
-    spec.generate(prompts[:2], max_new_tokens=6, pad_token_id=PAD)
-    spec.generate(prompts[:3], max_new_tokens=6, pad_token_id=PAD)
-    spec.generate(prompts, max_new_tokens=6, pad_token_id=PAD)
-    assert sorted(backend.graphs) == [1, 2, 4]  # 3 requests run in the 4 bucket; the batch is not a dynamic size
+    keys = spec.compiled_steps.keys
+    assert keys.open_batch and keys.key(2, 3, False, 4) == keys.key(4, 3, False, 4) != keys.key(1, 3, False, 4)
+    for n in (1, 2, 3, 4):
+        assert torch.equal(spec.generate(prompts[:n], max_new_tokens=6, pad_token_id=PAD), eager[n - 1])
+    assert len(backend.graphs) == 2 and backend.graphs[0] == 1 and isinstance(backend.graphs[1], torch.SymInt)
+    assert [how for _, how, _ in spec.compiled_steps.events] == ["compiled", "compiled"]
+
+
+def test_a_single_bucket_from_two_rows_keeps_a_static_batch():
+    target = tiny_target("llama")
+    draft = DFlashDraftModel.from_target(target, num_layers=2, block_size=4, target_layer_ids=[1, 3], seed=0)
+    spec = DFlashSpecWrapper(target, draft, speculation="fixed", max_batch_size=4, batch_buckets=(1, 4),
+                             max_seq_len=96)
+    backend = CountingBackend()
+    spec.compile(backend=backend, fullgraph=True)
+    torch._dynamo.reset()
+    assert not spec.compiled_steps.keys.open_batch  # one bucket from 2 rows: nothing to share
+    spec.generate(_prompts([5, 8, 13], 2), max_new_tokens=6, pad_token_id=PAD)
+    assert backend.graphs == [1, 4]  # every bucket the batch may fall to, each static
 
 
 def test_a_proposing_k0_step_runs_in_the_every_k_graph_and_accepts_nothing():

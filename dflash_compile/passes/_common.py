@@ -34,6 +34,18 @@ def val(node):
     return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
 
 
+def size_arg(graph: torch.fx.Graph, node: torch.fx.Node, dim: int):
+    """``node``'s size along ``dim`` as an argument of a node inserted into ``graph``: the int, or a ``sym_size``
+    node where the size is symbolic (a dynamic batch or block length; a bare SymInt in a node's arguments names a
+    symbol the graph's code does not define)."""
+    size = val(node).shape[dim]
+    if isinstance(size, int):
+        return size
+    out = graph.call_function(torch.ops.aten.sym_size.int, (node, dim))
+    out.meta["val"] = size
+    return out
+
+
 def same_shape(a, b) -> bool:
     """``a == b`` for shapes that may hold symbolic sizes, decided without adding a guard: sizes that are not
     provably equal (for every value their symbols may take) do not match."""

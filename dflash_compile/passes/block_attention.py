@@ -37,7 +37,7 @@ from torch.fx import Node
 
 from ..lowerings import ops  # noqa: F401  (registers torch.ops.dflash.*)
 from ..primitives.masks import MaskSpec, context_visibility
-from ._common import DFlashPass, Region, bound_args, same_shape, val
+from ._common import DFlashPass, Region, bound_args, same_shape, size_arg, val
 
 aten = torch.ops.aten
 
@@ -295,8 +295,8 @@ class BlockAttentionPass(DFlashPass):
         with graph.inserting_before(node):
             k_pool, v_pool = self._pool_view(graph, k_src), self._pool_view(graph, v_src)
             if q_pos is None:  # neither causal nor windowed: positions are not needed, any [B, T] will do
-                B, T = val(q).shape[0], val(q).shape[2]
-                q_pos = graph.call_function(aten.new_zeros.default, (ctx_lens, [B, T]))
+                q_pos = graph.call_function(aten.new_zeros.default,
+                                            (ctx_lens, [size_arg(graph, q, 0), size_arg(graph, q, 2)]))
             k_blk = v_blk = None
             if k_src.block is not None:
                 k_blk = graph.call_function(aten.transpose.int, (k_src.block, 1, 2))

@@ -16,10 +16,10 @@ from .regions import DEFAULT_MIN_REPEATS, repeated_layer_types
 class StepKey:
     """What tells one step graph from another: ``batch`` rows, ``verify_len`` tokens per row (``K + 1``), greedy or
     ``sampled``, ``context_pages`` and whether it ``propose``s the next block (a step before a plain ``K = 0`` step
-    does not). None for a size: the graph serves every value of it (a dynamic dimension: ``K`` from 1, the context
-    from 2 pages)."""
+    does not). None for a size: the graph serves every value of it (a dynamic dimension: the batch from 2 rows,
+    ``K`` from 1, the context from 2 pages)."""
 
-    batch: int
+    batch: int | None
     verify_len: int | None
     sampled: bool
     context_pages: int | None = None
@@ -39,7 +39,8 @@ class StepKey:
         ctx = "every context" if self.context_pages is None else f"{self.context_pages} pages"
         plain = "" if self.propose else " (no proposal)"
         k = "every K" if self.verify_len is None else f"K {self.verify_len - 1}"
-        return f"batch {self.batch}, {k}{plain}, {'sampled' if self.sampled else 'greedy'}, {ctx}"
+        batch = "batch 2 and up" if self.batch is None else f"batch {self.batch}"
+        return f"{batch}, {k}{plain}, {'sampled' if self.sampled else 'greedy'}, {ctx}"
 
 
 def size_oblivious():
@@ -76,13 +77,15 @@ class StepKeys:
         return self.dynamic_context and self.pages_range() is not None
 
     def key(self, batch: int, context_pages: int, sampled: bool, verify_len: int, propose: bool = True) -> StepKey:
-        """The key of a step of these sizes. Where graphs are dynamic (``serves_every_context``), one graph per batch
-        bucket and sampling mode serves every context length and every ``K`` of the steps that propose (``K = 0``
-        among them, run with a block of 2: ``block_len``); the plain ``K = 0`` step that does not propose keeps a
-        graph of its own (no drafter in it). Static ``K`` stays where ``open_k`` is False."""
+        """The key of a step of these sizes. Where graphs are dynamic (``serves_every_context``), one graph per
+        sampling mode serves every context length, every batch bucket from 2 rows (``open_batch``; one row keeps
+        graphs of its own) and every ``K`` of the steps that propose (``K = 0`` among them, run with a block of 2:
+        ``block_len``); the plain ``K = 0`` step that does not propose keeps a graph of its own (no drafter in it).
+        Static ``K`` stays where ``open_k`` is False, a graph per bucket where ``open_batch`` is."""
         if not self.serves_every_context:
             return StepKey(batch, verify_len, sampled, context_pages, propose)
-        return StepKey(batch, None if propose and self.open_k else verify_len, sampled, None, propose)
+        return StepKey(None if batch >= 2 and self.open_batch else batch,
+                       None if propose and self.open_k else verify_len, sampled, None, propose)
 
     @functools.cached_property
     def open_k(self) -> bool:
@@ -94,6 +97,17 @@ class StepKeys:
         return (self.serves_every_context and spec.dflash_step.block_size > 2 and spec.verify_len > 1
                 and spec.tp is None and not spec.kv_cache().has_states)
 
+    @functools.cached_property
+    def open_batch(self) -> bool:
+        """Whether the batch buckets from 2 rows share one graph per variant, the batch a dynamic size from 2 to
+        ``max_batch_size``: graphs that serve every context, not tensor-parallel or recurrent (as ``open_k``), and
+        two or more such buckets. A batch of one keeps its own graphs: traced as a size that may be 1, dynamo
+        specialises or refuses (guards such as ``s*(2//s) == 2``), and plain decoding at one row is the step most
+        worth its static shapes."""
+        spec = self.spec
+        return (self.serves_every_context and spec.tp is None and not spec.kv_cache().has_states
+                and sum(1 for b in spec.batch_buckets if b >= 2) >= 2)
+
     def block_len(self, K: int, propose: bool) -> int:
         """The block a step verifying ``K`` drafts runs with: ``K + 1`` tokens, but 2 for a ``K = 0`` step that
         proposes where the proposing steps share the dynamic graph (its range starts at 2: HF attention branches on a
@@ -103,17 +117,26 @@ class StepKeys:
 
     def marked(self, key: StepKey, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Fresh views of ``forward``'s arguments (the marks stay off the caller's tensors) with the sizes ``key``
-        leaves open marked dynamic: the table's pages, the block's length."""
+        leaves open marked dynamic: the batch (every per-row input's first dimension), the table's pages, the
+        block's length."""
         args, kwargs = list(args), dict(kwargs)
-        dims = []  # (tensor, dim, min, max)
+        dims: dict[int, list] = {}  # argument index -> [(dim, min, max)]
+        if key.batch is None:
+            rows = (2, self.spec.max_batch_size)
+            for i in (0, 1, 2, 3):  # block, seq_lens, block_tables, active
+                dims.setdefault(i, []).append((0, *rows))
         if key.context_pages is None and self.pages_range() is not None:
-            args[2] = args[2][:]
-            dims.append((args[2], 1, *self.pages_range()))
+            dims.setdefault(2, []).append((1, *self.pages_range()))
         if key.verify_len is None:
-            args[0] = args[0][:]
-            dims.append((args[0], 1, 2, self.spec.dflash_step.block_size))
-        for t, dim, lo, hi in dims:
-            torch._dynamo.mark_dynamic(t, dim, min=lo, max=hi)
+            dims.setdefault(0, []).append((1, 2, self.spec.dflash_step.block_size))
+        for i, marks in dims.items():
+            args[i] = args[i][:]  # one view per argument, every mark on it
+            for dim, lo, hi in marks:
+                torch._dynamo.mark_dynamic(args[i], dim, min=lo, max=hi)
+        if key.batch is None and len(args) > 6:  # the sampling inputs, one value per row
+            args[6] = type(args[6])(*[t[:] for t in args[6]])
+            for t in args[6]:
+                torch._dynamo.mark_dynamic(t, 0, min=2, max=self.spec.max_batch_size)
         return tuple(args), kwargs
 
     def pages_range(self) -> tuple[int, int] | None:
@@ -122,12 +145,12 @@ class StepKeys:
         return (2, full) if full >= 3 else None
 
     def example(self, key: StepKey) -> tuple[tuple, dict]:
-        """Step inputs of ``key``'s shapes to trace it with: for ``K``, when the key leaves it open, the largest the
-        wrapper runs (the size Inductor tunes its code for)."""
+        """Step inputs of ``key``'s shapes to trace it with: for ``K`` and the batch, when the key leaves them open,
+        the largest the wrapper runs (the sizes Inductor tunes its code for)."""
         spec = self.spec
         K = (key.verify_len or spec.verify_len) - 1
-        return spec.dflash_step.example_inputs(spec.kv_cache(), key.batch, key.context_pages or 2, key.sampled, K,
-                                               key.propose)
+        return spec.dflash_step.example_inputs(spec.kv_cache(), key.batch or spec.max_batch_size,
+                                               key.context_pages or 2, key.sampled, K, key.propose)
 
     def keys_for(self, buckets, sampling) -> list[StepKey]:
         """The keys of the graphs a batch in ``buckets`` steps through, greedy (``sampling=False``), sampled (True)

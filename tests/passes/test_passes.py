@@ -206,6 +206,50 @@ return block_attention_default""")
             self.assertEqual(op.args[9:], (spec.causal, spec.window or 0, 0.5, spec.chunk or 0))
             torch.testing.assert_close(gm(*args), verify(*args))
 
+    def test_block_attention_with_a_symbolic_batch(self):
+        # One graph for every batch bucket from 2 rows: the positions the op takes where no rule reads them are made
+        # in the graph's own symbolic sizes (a bare SymInt in a node's arguments names a symbol the code lacks).
+        def verify(q, pool, table, kv_lens, positions):
+            B, T = q.shape[0], q.shape[2]
+            read, key_pos = read_slots(table, kv_lens, 4)
+            k, v = pool[0][read].transpose(1, 2), pool[1][read].transpose(1, 2)
+            k = k[:, :, None].expand(B, 1, 2, 24, 8).reshape(B, 2, 24, 8)
+            v = v[:, :, None].expand(B, 1, 2, 24, 8).reshape(B, 2, 24, 8)
+            mask = context_visibility(positions, kv_lens, key_pos, MaskSpec(causal=False))[:, None]
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.5)
+
+        def inputs(B):
+            g = torch.Generator().manual_seed(B)
+            table = torch.stack([torch.randperm(6, generator=g) for _ in range(B)])
+            lens = torch.randint(1, 20, (B,), generator=g)
+            return (torch.randn(B, 2, 3, 8, generator=g), torch.randn(2, 4 * 6 + 2, 1, 8, generator=g), table, lens,
+                    lens[:, None] + torch.arange(3))
+
+        from dflash_compile.backends import dflash_passes
+
+        graphs = []
+
+        def backend(gm, example_inputs):  # dynamo's graph through the passes, as the dflash backend runs them
+            counters.clear()
+            graphs.append(dflash_passes(gm, example_inputs))
+            graphs.append(dict(counters["dflash"]))
+            return graphs[0].forward
+
+        compiled = torch.compile(verify, backend=backend, fullgraph=True, dynamic=False)
+        for B in (2, 4, 7):
+            args = inputs(B)
+            for i in (0, 2, 3, 4):  # every per-row input; the pool is not one
+                torch._dynamo.mark_dynamic(args[i], 0, min=2, max=16)
+            torch.testing.assert_close(compiled(*args), verify(*args))
+        self.assertEqual(len(graphs), 2)  # one graph for every batch
+        self.assertEqual(graphs[1], {"block_attention": 1})
+        made = [n.format_node() for n in graphs[0].graph.nodes if n.target in (
+            torch.ops.aten.sym_size.int, torch.ops.aten.new_zeros.default, torch.ops.dflash.block_attention.default)]
+        self.assertExpectedInline("\n".join(made), """\
+%sym_size_int_1 : [num_users=1] = call_function[target=torch.ops.aten.sym_size.int](args = (%arg1_1, 0), kwargs = {})
+%new_zeros_default : [num_users=1] = call_function[target=torch.ops.aten.new_zeros.default](args = (%arg4_1, [%sym_size_int_1, 3]), kwargs = {})
+%block_attention_default : [num_users=1] = call_function[target=torch.ops.dflash.block_attention.default](args = (%arg1_1, %select, %select_1, %arg2_1, %arg4_1, %new_zeros_default, None, None, 4, False, 0, 0.5, 0), kwargs = {})""")
+
     def test_block_attention_draft_form(self):
         target = tiny_target("qwen3", hidden_size=16, num_attention_heads=2, num_key_value_heads=1, head_dim=8)
         draft = DFlashDraftModel.from_target(target, num_layers=1, block_size=3, target_layer_ids=[1, 3], seed=0)
