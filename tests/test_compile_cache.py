@@ -437,6 +437,42 @@ def test_a_step_dynamo_cannot_package_compiles_in_process(monkeypatch, caplog, t
     assert not list(tmp_path.rglob("*.pt2"))
 
 
+def test_a_request_joining_others_of_its_mode_readies_that_mode_alone():
+    """Greedy requests that join a running greedy batch ready no sampled graph (the batch never runs one); a sampled
+    request joining it readies the sampled graphs (the greedy ones stay for when it leaves)."""
+    import threading
+
+    from dflash_compile.runtime.scheduler import graphs_ready
+
+    target, spec = _pair(speculation="fixed", max_batch_size=4, batch_buckets=(2, 4))
+    spec.compile(backend=CountingBackend())
+    running, release = threading.Event(), threading.Event()
+
+    class Holding:  # holds the driver inside the first request's stream: that request stays in flight
+        def put(self, value):
+            if threading.current_thread().name == "dflash-scheduler":  # not the prompt, put by submit's caller
+                running.set()
+                assert release.wait(60)
+
+        def end(self):
+            pass
+
+    first = spec.submit(random_prompts([5], 3)[0], max_new_tokens=8, streamer=Holding(), pad_token_id=0)
+    assert running.wait(120)
+    sampled = lambda: sorted({key.sampled for key in spec.compiled_steps.compiled_keys()})  # noqa: E731
+    try:
+        assert sampled() == [False]
+        with graphs_ready(spec.scheduler, 1, False):  # a greedy request joining the greedy one
+            pass
+        assert sampled() == [False]
+        with graphs_ready(spec.scheduler, 1, True):  # a sampled one
+            pass
+        assert sampled() == [False, True]
+    finally:
+        release.set()
+    assert len(first.result().tokens) == 8
+
+
 def test_no_step_compiles_inside_a_long_mixed_run():
     """``generate`` readies every graph its batch may step through before the batch steps (``CompiledSteps.ready``):
     the batch shrinking from 4 rows to 2 as calls finish, K moving under ``speculation="auto"``, sampled and

@@ -83,14 +83,17 @@ def test_same_tokens_in_a_busy_batch_under_auto(pair, reference):
     assert sorted(len(v) for v in results.values()) == [5 + 7 * i for i in range(len(others))]
 
 
-def test_same_tokens_compiled(pair, reference):
+@pytest.mark.parametrize("buckets", [(2,), (2, 4)], ids=["static-batch", "dynamic-batch"])
+def test_same_tokens_compiled(pair, reference, buckets):
+    # (2, 4): one graph for both buckets, its batch a dynamic size (StepKeys.open_batch), run at 3 rows in bucket 4
     target, draft = pair
-    other = random_prompts([12], seed=8)[0]
-    with DFlashSpecWrapper(target, draft, num_speculative_tokens=3, max_batch_size=2, max_seq_len=128,
-                           batch_buckets=(2,)) as spec:
+    others = random_prompts([12, 7][: max(buckets) - 1], seed=8)
+    with DFlashSpecWrapper(target, draft, num_speculative_tokens=3, max_batch_size=max(buckets), max_seq_len=128,
+                           batch_buckets=buckets) as spec:
         spec.compile(backend="dflash", fullgraph=True)
-        mine, theirs = spec.submit(PROMPT, seed=11, **KW), spec.submit(other, seed=3, **KW)  # one batch of 2
-        tokens = mine.result().tokens
-        assert len(theirs.result().tokens) == NEW
-        assert any(how == "compiled" for _, how, _ in spec.compiled_steps.events)
+        handles = [spec.submit(p, seed=seed, **KW) for p, seed in zip([PROMPT] + others, (11, 3, 5))]
+        tokens = handles[0].result().tokens
+        assert all(len(h.result().tokens) == NEW for h in handles)
+        keys = {key for key, how, _ in spec.compiled_steps.events if how == "compiled"}
+        assert keys and all((key.batch is None) == (len(buckets) > 1) for key in keys), keys
     assert tokens == reference

@@ -79,7 +79,9 @@ class Scheduler:
         self._waiting: deque[Request] = deque()
         self._driver: threading.Thread | None = None
         self._joining = 0  # requests taken off the queue and not yet in the batch (being admitted)
+        self._joining_modes: set[bool] = set()  # their do_sample values
         self._announced = 0  # requests whose callers are readying graphs, not queued yet (``graphs_ready``)
+        self._announced_modes = {False: 0, True: 0}  # the same, by do_sample
         self._ids = itertools.count()
         self.batch: Batch | None = None
         self.cache = None
@@ -111,6 +113,11 @@ class Scheduler:
         if threading.current_thread() is not driver:  # the driver's team the only one while the caller waits
             openmp.release_idle_team()
         return handles
+
+    def _modes(self) -> set[bool]:  # do_sample of the requests queued, joining, running or being readied (lock held)
+        rows = list(self._waiting) + (self.batch.rows if self.batch is not None else [])
+        joining = self._joining_modes if self._joining else set()
+        return {r.args.do_sample for r in rows} | joining | {m for m, n in self._announced_modes.items() if n}
 
     def _rows(self) -> int:  # queued, joining and running (the lock held)
         return len(self._waiting) + self._joining + (len(self.batch.rows) if self.batch is not None else 0)
@@ -151,6 +158,7 @@ class Scheduler:
                         n = min(free, len(self._waiting)) if admit is None else admit
                         incoming = [self._waiting.popleft() for _ in range(n)]
                         self._joining = len(incoming)
+                        self._joining_modes = {r.args.do_sample for r in incoming}
                         if not incoming and not running and self.ranks.may_stop(admit, busy, len(self._waiting)):
                             self._driver = None
                             self.batch = None
@@ -408,15 +416,19 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
 @contextlib.contextmanager
 def graphs_ready(scheduler: Scheduler, rows: int, sampled: bool):
     """Before ``rows`` new requests queue on ``scheduler``: the graphs of every batch they may step in
-    (``CompiledSteps.ready``), up to the rows in flight or being readied by other callers plus these, both sampling
-    modes when others are in flight (the batch mixes them until they leave)."""
+    (``CompiledSteps.ready``), up to the rows in flight or being readied by other callers plus these; both sampling
+    modes when a request in flight has the other mode (a batch with a sampled row runs the sampled graph, and the
+    greedy one once the sampled rows leave), else this mode alone."""
     with scheduler._lock:
         others = scheduler._announced + scheduler._rows()
+        modes = scheduler._modes() | {sampled}
         scheduler._announced += rows
+        scheduler._announced_modes[sampled] += rows
     try:
         if scheduler.spec.compiled_steps is not None:
-            scheduler.spec.compiled_steps.ready(others + rows, "both" if others else sampled)
+            scheduler.spec.compiled_steps.ready(others + rows, "both" if len(modes) > 1 else sampled)
         yield
     finally:
         with scheduler._lock:
             scheduler._announced -= rows
+            scheduler._announced_modes[sampled] -= rows
