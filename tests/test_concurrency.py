@@ -314,7 +314,7 @@ def test_the_driver_thread_uses_the_callers_thread_count():
 
 def test_the_submitting_thread_releases_its_idle_openmp_workers(monkeypatch):
     # Two OpenMP teams on as many cores make libgomp's workers sleep between regions (runtime/openmp.py): the
-    # thread that hands its requests to the driver frees its own idle team, and the driver never frees its own.
+    # thread that hands its requests to the driver frees its own idle team (once per submit, on that thread).
     from dflash_compile.runtime import scheduler
 
     target, spec = _pair()

@@ -27,15 +27,14 @@ def _pause_all():
     """libgomp's ``omp_pause_resource_all``, from the copy this process has loaded (torch's), or None."""
     try:
         with open("/proc/self/maps") as f:
-            paths = {line.split()[-1] for line in f if "libgomp" in line and line.rstrip().endswith((".so", ".1"))}
+            paths = {line.split()[-1] for line in f if "libgomp" in line}
     except OSError:  # not Linux
         return None
-    for path in sorted(paths):
-        if os.path.basename(path).startswith("libgomp"):
-            fn = getattr(ctypes.CDLL(path), "omp_pause_resource_all", None)
-            if fn is not None:
-                fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
-                return fn
+    for path in sorted(p for p in paths if os.path.basename(p).startswith("libgomp")):
+        fn = getattr(ctypes.CDLL(path), "omp_pause_resource_all", None)
+        if fn is not None:
+            fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
+            return fn
     return None
 
 

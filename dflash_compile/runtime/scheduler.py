@@ -33,9 +33,9 @@ from dataclasses import dataclass
 import torch
 
 from ..step.step import SamplingInputs
+from . import openmp
 from .batch import Batch
 from .generation import GenerationArgs
-from . import openmp
 from .handles import Request, RequestHandle
 from .ranks import ranks_for
 from .speculation import StepView

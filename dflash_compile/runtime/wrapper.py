@@ -248,8 +248,8 @@ class DFlashSpecWrapper(nn.Module):
         """Compile (or load from the compile cache) every step graph a deployment will use, now, with a progress bar
         (tqdm). ``batch_sizes``: the batch sizes to serve (default: every batch bucket); ``sampling``: False, True
         or ``"both"``; static-context backends (``dflash_neuron``) compile every context bucket too. Every
-        (:meth:`step_graphs`) variant the policy may use: with ``dflash``/``inductor`` two graphs per batch bucket
-        and sampling mode under ``speculation="auto"``. Returns ``{str(key): (how, seconds)}``, ``how`` one of
+        (:meth:`step_graphs`) variant the policy may use: with ``dflash``/``inductor`` two graphs per sampling mode
+        under ``speculation="auto"`` for one row, and two for every bucket from 2 rows (``StepKeys.open_batch``). Returns ``{str(key): (how, seconds)}``, ``how`` one of
         ``"compiled"``, ``"loaded"``, ``"ready"``. Call :meth:`compile` first. The calling thread's idle OpenMP
         workers are released at the end (``runtime/openmp.py``: the steps run on the scheduler's thread)."""
         if self.compiled_steps is None:
