@@ -48,6 +48,7 @@ from pathlib import Path
 
 import torch
 
+from .compile_workers import check_workers, compile_in_workers, default_workers, parallel_workers
 from .regions import compile_regions
 from .step_keys import StepKey, StepKeys, size_oblivious
 
@@ -240,7 +241,8 @@ class CompiledSteps:
     """The compiled step of one ``DFlashSpecWrapper``, per ``StepKey`` (see the module docstring)."""
 
     def __init__(self, spec, backend="dflash", *, cache_dir=None, on_miss: str = "compile", mode=None,
-                 options: dict | None = None, dynamic_context: bool | None = None, regions: bool | None = None):
+                 options: dict | None = None, dynamic_context: bool | None = None, regions: bool | None = None,
+                 workers: int | None = None):
         if on_miss not in ON_MISS:
             raise ValueError(f"on_miss={on_miss!r}: expected one of {ON_MISS}")
         if isinstance(backend, str):
@@ -248,6 +250,7 @@ class CompiledSteps:
         self.spec = spec
         self.backend, self.mode, self.options = backend, mode, dict(options or {})
         self.on_miss = on_miss
+        self.workers = default_workers() if workers is None else check_workers(workers)  # compile_workers.py
         self.dynamic_context = (backend not in STATIC_CONTEXT_BACKENDS) if dynamic_context is None else dynamic_context
         self.keys = StepKeys(spec, self.dynamic_context, regions)
         self.cache_dir = None if not isinstance(backend, str) else Path(cache_dir) if cache_dir else default_cache_dir()
@@ -329,17 +332,39 @@ class CompiledSteps:
         self._prepacking = row_linear.prepack(self.spec.target, self.spec.draft) or False
 
     def _prepare_all(self, keys: list[StepKey], progress: bool) -> dict:
+        """Make ``keys`` ready with a progress bar: the ones neither in memory nor in the cache compiled by forked
+        workers where that is safe (``compile_workers``), the rest (and any a worker failed) here."""
         from tqdm.auto import tqdm
 
-        self._prepack()
         report = {}
-        with tqdm(keys, desc="dflash precompile", unit="graph", disable=not progress) as bar:
-            for key in bar:
+        with tqdm(total=len(keys), desc="dflash precompile", unit="graph", disable=not progress) as bar:
+            def done(key, how, seconds):
+                report[str(key)] = (how, round(seconds, 2))
+                bar.update()
+                bar.write(f"{key}: {how} in {seconds:.1f} s")
+
+            with self._obtaining:
+                self._check_device()
+                missing = [k for k in keys if k not in self._fns and k not in self._background and not (
+                    self.folder() is not None and (self.folder() / k.filename).exists())]
+                workers = parallel_workers(self, missing)
+                if workers > 1:
+                    bar.set_postfix_str(f"{len(missing)} graphs in {workers} processes")
+                    self._prepack()  # on its helper thread while the children compile
+
+                    def landed(key, seconds):  # a child saved the graph (else None): load it now
+                        if seconds is not None and self._load(key, record=False) is not None:
+                            self._record(key, "compiled", seconds)
+                            done(key, "compiled", seconds)
+
+                    compile_in_workers(self, sorted(missing, key=StepKey.compile_order), workers, landed)
+            self._prepack()
+            for key in keys:
+                if str(key) in report:
+                    continue
                 bar.set_postfix_str(str(key))
                 args, kwargs = self.keys.example(key)
-                how, seconds = self.prepare(key, args, kwargs)
-                report[str(key)] = (how, round(seconds, 2))
-                bar.write(f"{key}: {how} in {seconds:.1f} s")
+                done(key, *self.prepare(key, args, kwargs))
         return report
 
     def run(self, key: StepKey, args: tuple, kwargs: dict):
@@ -549,7 +574,7 @@ class CompiledSteps:
             self._say_once("unwritable", "dflash: cannot write the compile cache at %s (%s); compiled steps stay "
                            "in memory", folder, e)
 
-    def _load(self, key: StepKey):
+    def _load(self, key: StepKey, record: bool = True):
         folder = self.folder()
         path = folder / key.filename if folder is not None else None
         if path is None or not path.exists():
@@ -571,7 +596,8 @@ class CompiledSteps:
             return None
         self._fns[key] = fn
         self._checked.discard(key)
-        self._record(key, "loaded", time.perf_counter() - start)
+        if record:
+            self._record(key, "loaded", time.perf_counter() - start)
         return fn
 
     def _load_options(self) -> dict:
@@ -609,7 +635,7 @@ class CompiledSteps:
 
 
 def compiled_steps_for(spec, backend, *, cache_dir, on_miss, mode, options, fullgraph, dynamic, regions=None,
-                       **kwargs):
+                       workers=None, **kwargs):
     """``DFlashSpecWrapper.compile``'s arguments checked, then the wrapper's ``CompiledSteps``."""
     if not fullgraph:
         raise ValueError("the DFlash step compiles as one full graph: fullgraph=False is not supported")
@@ -626,4 +652,4 @@ def compiled_steps_for(spec, backend, *, cache_dir, on_miss, mode, options, full
         raise ValueError("regions=True is not supported with a tensor-parallel target: its collectives run inside the "
                          "decoder layers; leave regions unset")
     return CompiledSteps(spec, backend, cache_dir=cache_dir, on_miss=on_miss, mode=mode, options=options,
-                         regions=regions)
+                         regions=regions, workers=workers)

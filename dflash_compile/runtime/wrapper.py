@@ -204,7 +204,7 @@ class DFlashSpecWrapper(nn.Module):
 
     def compile(self, backend="dflash", *, cache_dir=None, on_miss: str = "compile", mode=None,
                 options: dict | None = None, fullgraph: bool = True, dynamic=None, regions: bool | None = None,
-                **kwargs) -> None:
+                workers: int | None = None, **kwargs) -> None:
         """Run the step compiled by ``backend`` (``"dflash"``, ``"dflash_neuron"``, ``"inductor"``, or a backend
         callable) from now on: one full graph per step key (batch bucket, greedy or sampled, ``K = 0`` or every
         ``K >= 1``; every context length up to ``max_seq_len``; ``dflash_neuron``'s are static: one per ``K`` and
@@ -214,13 +214,15 @@ class DFlashSpecWrapper(nn.Module):
         key with no graph yet): ``"compile"`` it (default), run the ``"eager"`` step, compile it on a
         ``"background"`` thread while the eager step serves, or raise (``"error"``). ``mode``/``options`` go to the
         backend. ``regions``: each distinct decoder layer compiled once (``runtime/regions.py``); None: for stacks
-        of 16 layers or more, not tensor-parallel or recurrent targets. ``fullgraph=False`` and ``dynamic`` other
-        than None/False are refused. See ``runtime/compiled_steps.py``."""
+        of 16 layers or more, not tensor-parallel or recurrent targets. ``workers``: how many graphs compile at once,
+        each in a forked process (``runtime/compile_workers.py``; CPU models, Linux; default
+        ``$DFLASH_COMPILE_WORKERS``, else the usable CPUs; 1: one after the other here). ``fullgraph=False`` and
+        ``dynamic`` other than None/False are refused. See ``runtime/compiled_steps.py``."""
         from .compiled_steps import compiled_steps_for
 
         self.compiled_steps = compiled_steps_for(self, backend, cache_dir=cache_dir, on_miss=on_miss, mode=mode,
                                                  options=options, fullgraph=fullgraph, dynamic=dynamic,
-                                                 regions=regions, **kwargs)
+                                                 regions=regions, workers=workers, **kwargs)
         self.compiled_steps.listeners.append(self.scheduler.graph_event)  # a step that compiled is not timed
         self.pools.check_record = self.compiled_steps.check_record
 
