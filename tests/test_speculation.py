@@ -154,6 +154,36 @@ def test_plain_decoding_probes_acceptance_with_a_proposal():
     assert policy.choose(_view(rows)).k > 0
 
 
+def test_probes_thin_out_while_speculation_is_far_from_paying():
+    # batch 8 on SmolLM2 (ms): plain 55, a probe (the proposing graph) 124, K 1 118, K 2 162, K 4 208, K 7 308
+    ms = {(0, False): 55, (0, True): 124, (1, True): 118, (2, True): 162, (4, True): 208, (7, True): 308}
+    policy, _ = _policy(0.45, lambda k, p: ms[k, p] / 1e3, max_probe_every=64)
+    rows = [_Row(_history(0.45)) for _ in range(8)]
+    plans = [policy.choose(_view(rows)) for _ in range(400)]
+    assert {p.k for p in plans} == {0}
+    probes = [i for i, p in enumerate(plans) if p.propose]
+    assert probes[:3] == [15, 47, 111] and set(b - a for a, b in zip(probes[2:], probes[3:])) == {64}  # 16, 32, 64
+    # the first drafts start agreeing: the next probe sees speculation pay again, and the probes come every 16
+    for _ in range(40):
+        policy.observe(_view(rows), 0, False, None, [None] * 8, [True] * 8)
+    for r in rows:
+        r.acceptance = _history(0.95)
+    later = [policy.choose(_view(rows)) for _ in range(80)]
+    assert any(p.k > 0 for p in later)
+    assert policy.probe_gap == policy.probe_every
+
+
+def test_probes_keep_their_pace_while_speculation_is_close():
+    policy, _ = _policy(0.5, lambda k, p: 1.0 + 0.4 * k + 0.2 * p, probe_every=8)  # K 1: 0.94x plain
+    rows = [_Row(_history(0.5)) for _ in range(8)]
+    plans = [policy.choose(_view(rows)) for _ in range(64)]
+    assert {p.k for p in plans} == {0} and [i for i, p in enumerate(plans) if p.propose] == list(range(7, 64, 8))
+    with pytest.raises(ValueError, match="max_probe_every"):
+        GoodputPolicy(probe_every=16, max_probe_every=8)
+    with pytest.raises(ValueError, match="far must be"):
+        GoodputPolicy(far=1.5)
+
+
 # ------------------------------------------------------------------ vLLM's schedule
 def test_batch_size_schedule_follows_vllm():
     s = BatchSizeSchedule({"1-2": 7, "4-8": 2, "16": 0}, 5)

@@ -266,15 +266,23 @@ class GoodputPolicy(SpeculationPolicy):
 
     No thrashing: the wanted ``K`` changes at most once per ``dwell`` steps (so at most ``100 / dwell`` switches per
     100 steps), and between two timed ``K`` only for a gain above ``margin``. While the batch stays at ``K = 0``,
-    every ``probe_every`` steps a step proposes a block anyway, so the next step compares its first draft with the
-    target's token: acceptance keeps being measured at the cost of one drafter forward, never of a wider verify.
+    every ``probe_every`` steps a step proposes a block anyway (through the proposing graph, whose block is two
+    tokens: at batch 8 on SmolLM2 it cost 2.3x a plain step), so the next step compares its first draft with the
+    target's token and acceptance keeps being measured. A probe whose estimates still leave speculation far from
+    paying (the best ``K > 0`` below ``far`` times plain decoding's goodput) doubles the gap to the next one, up to
+    ``max_probe_every`` steps; one that does not, and any step that speculates, set it back to ``probe_every``.
     """
 
     def __init__(self, ks: tuple[int, ...] | None = None, *, dwell: int = 4, margin: float = 0.03,
-                 probe_every: int = 16, prior_weight: float = 4.0, decay: float = 0.95, pooled_decay: float = 0.995):
-        if dwell < 1 or probe_every < 2:
-            raise ValueError("dwell must be >= 1 and probe_every >= 2")
+                 probe_every: int = 16, max_probe_every: int = 256, far: float = 0.75, prior_weight: float = 4.0,
+                 decay: float = 0.95, pooled_decay: float = 0.995):
+        if dwell < 1 or probe_every < 2 or max_probe_every < probe_every:
+            raise ValueError("dwell must be >= 1, probe_every >= 2 and max_probe_every >= probe_every")
+        if not 0.0 <= far <= 1.0:
+            raise ValueError(f"far must be in [0, 1], got {far}")
         self._ks, self.dwell, self.margin, self.probe_every = ks, dwell, margin, probe_every
+        self.max_probe_every, self.far = max_probe_every, far
+        self.probe_gap = probe_every  # plain steps until the next probe (doubles while speculation is far off)
         self.prior_weight, self.decay, self.pooled_decay = prior_weight, decay, pooled_decay
         self.block_size = None  # set by ks(), which the wrapper calls first
         self.costs = StepCosts()
@@ -342,8 +350,15 @@ class GoodputPolicy(SpeculationPolicy):
         self._want = want
         if want == 0:
             self._zero_steps += 1
-            return Plan(0, self._zero_steps % self.probe_every == 0)
+            if self._zero_steps < self.probe_gap:
+                return Plan(0, False)
+            self._zero_steps = 0
+            speculating = max((g[k][0] for k in ks if k > 0), default=0.0)
+            far_off = speculating < self.far * g[0][0]
+            self.probe_gap = min(2 * self.probe_gap, self.max_probe_every) if far_off else self.probe_every
+            return Plan(0, True)
         self._zero_steps = 0
+        self.probe_gap = self.probe_every
         return Plan(want, True)
 
     def observe(self, view: StepView, k: int, propose: bool, seconds: float | None,
