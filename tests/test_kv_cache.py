@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 
@@ -76,3 +78,21 @@ def test_allocate_grow_free():
     c.ensure(11, 8)
     assert sorted(c.blocks(11)) == [0, 1]
     assert set(c.slots_of(11).tolist()) == set(range(8))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads the resident set size from /proc")
+def test_large_cpu_pools_take_memory_only_where_written():
+    from dflash_compile.paged.pools import MAPPED_BYTES, zeroed
+
+    def resident() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    before = resident()
+    pool = zeroed((2, 1 << 16, 4, 256), torch.float32, "cpu")  # 512 MB
+    assert pool.shape == (2, 1 << 16, 4, 256) and pool.dtype == torch.float32 and pool.is_contiguous()
+    assert resident() - before < 64 << 20  # torch.zeros would have written all 512 MB
+    pool[1, 12345] = 3.0
+    assert pool.sum().item() == 3.0 * 4 * 256 and pool[0].abs().max().item() == 0.0  # zeros but what was written
+    small = zeroed((4, 8), torch.bfloat16, "cpu")
+    assert small.numel() * 2 < MAPPED_BYTES and torch.equal(small, torch.zeros(4, 8, dtype=torch.bfloat16))
