@@ -101,6 +101,7 @@ class Bench:
         cc._compile_all_devices = True  # else HF's generate compiles only on cuda/xpu/neuron/tpu
         self.compile_config = cc
         self.specs = {}
+        self.clocks = {}
         policies = {"dflash_k7": dict(num_speculative_tokens=7), "dflash_k1": dict(num_speculative_tokens=1),
                     "dflash_auto": dict(speculation="auto"), "dflash_k0": dict(num_speculative_tokens=0)}
         for m in OURS:
@@ -114,6 +115,14 @@ class Bench:
                 print(f"{m} ({dtype}): {len(report)} step graphs ready in {time.perf_counter() - t0:.1f} s "
                       f"({Counter(h for h, _ in report.values())})", flush=True)
                 self.specs[m] = spec
+
+    def clock(self, method: str) -> dict:
+        """The phase clock of ``method``'s wrapper (``_harness.time_phases``), made at its first call."""
+        if method not in self.clocks:
+            from _harness import time_phases
+
+            self.clocks[method] = time_phases(self.specs[method])
+        return self.clocks[method]
 
     def ids(self, texts: list[str]) -> list[list[int]]:
         return [self.tok(t)["input_ids"][-self.args.max_prompt:] for t in texts]

