@@ -294,7 +294,8 @@ def markdown(results) -> str:
             if not ph:
                 continue
             if "steps" in ph:
-                steps = f"{ph['step']:.2f} ({ph['steps']:.0f} steps, {1e3 * ph['step'] / max(ph['steps'], 1):.1f} ms each)"
+                each = 1e3 * ph["step"] / max(ph["steps"], 1)
+                steps = f"{ph['step']:.2f} ({ph['steps']:.0f} steps, {each:.1f} ms each)"
                 lines.append(f"| {r['threads']} | {r['batch']} | {r['method']} | {r['seconds']:.2f} | "
                              f"{ph['prefill']:.2f} | {steps} | {ph['host']:.2f} |")
             else:

@@ -81,6 +81,8 @@ def compile_in_workers(steps, keys: list, workers: int, done) -> dict:
                 key = queue.pop(0)
                 read, write = os.pipe()
                 openmp.release_idle_team()
+                sys.stdout.flush()  # else the child would write this process's buffered output a second time
+                sys.stderr.flush()
                 with cs._TRACING:  # no other thread of this process is inside a trace at the fork
                     pid = os.fork()
                 if pid == 0:  # the child: never returns
@@ -88,12 +90,15 @@ def compile_in_workers(steps, keys: list, workers: int, done) -> dict:
                     _child(steps, key, write)
                 os.close(write)
                 running[pid] = (key, read)
-            ready, _, _ = select.select([r for _, r in running.values()], [], [])
-            pid = next(p for p, (_, r) in running.items() if r == ready[0])
+            poll = select.poll()  # not select(): a server's pipes may be numbered past FD_SETSIZE
+            for _, r in running.values():
+                poll.register(r, select.POLLIN | select.POLLHUP)
+            ready = poll.poll()
+            pid = next(p for p, (_, r) in running.items() if r == ready[0][0])
             key, read = running.pop(pid)
             with os.fdopen(read, "rb") as f:  # the child's reply, then end of file when it exits
                 reply = f.read()
-            _, status = os.waitpid(pid, 0)  # this child alone: never another part of the process's children
+            _, status = os.waitpid(pid, 0)  # this child alone: the process's other children are not reaped here
             seconds = None
             try:
                 answer = json.loads(reply) if reply else {"error": f"the process ended ({_status(status)})"}
@@ -109,7 +114,7 @@ def compile_in_workers(steps, keys: list, workers: int, done) -> dict:
     finally:
         for pid, (_, read) in running.items():  # interrupted: the children go too
             try:
-                os.kill(pid, signal.SIGTERM)
+                os.kill(pid, signal.SIGKILL)  # not SIGTERM: a handler installed here (a server's) runs there too
                 os.waitpid(pid, 0)
             except OSError:
                 pass
