@@ -10,7 +10,8 @@ logging goes to stderr and to other stdout lines, which the caller skips):
 
 - ``{"prompts": [[ids], ...], "max_new": N, "eos": id or null, "in_flight": b}``: greedy generation of the
   queue of prompts with at most ``b`` of them in the engine at once (a new one is added as one finishes: ``b``
-  clients of a server, vLLM's continuous batch), answered with each prompt's new token ids (up to and including
+  clients of a server, vLLM's continuous batch), from an empty prefix cache (a queue replayed round after round must
+  not find its prompts cached by the round before), answered with each prompt's new token ids (up to and including
   eos), the seconds the queue took, and the speculative-decoding counters of this call (drafts, draft tokens,
   accepted tokens, accepted per draft position; zeros without a drafter);
 - ``{"quit": true}`` (or end of input): exits.
@@ -93,6 +94,10 @@ def main() -> None:
         eos = req.get("eos")  # exactly this one stops (the tokenizer's own eos may be another id)
         params = SamplingParams(temperature=0, max_tokens=req["max_new"], ignore_eos=True,
                                 stop_token_ids=[] if eos is None else [eos])
+        # Every queue starts from an empty prefix cache: the rounds replay the same prompts, and prefix caching (on by
+        # default in vLLM) would otherwise serve a round's prompts from the pages the previous round left, a prefill
+        # no new workload gets (ours keeps none between calls). Within a queue, requests still share what they share.
+        llm.reset_prefix_cache()
         before = _counters(llm)
         t0 = time.perf_counter()
         tokens = _queue(llm.llm_engine, req["prompts"], params, req.get("in_flight", len(req["prompts"])))
