@@ -39,8 +39,9 @@ from pathlib import Path
 
 
 def phases_of(metrics: dict, loaded_s: float, total_s: float) -> dict:
-    """Non-overlapping phases from torch's timers (``compilation_time_metrics``, summed per name) and the time
-    spent loading saved graphs; ``other`` is the rest of the wall time (prefill, the step, saving)."""
+    """Phases from torch's timers (``compilation_time_metrics``, summed per name, over this process and the worker
+    processes that compiled graphs for it) and the time spent loading saved graphs; ``other`` is the rest of the wall
+    time (prefill, the step, saving), 0 when graphs compiled side by side and the phases add up to more than it."""
     m = lambda name: metrics.get(name, 0.0)  # noqa: E731
     native = m("PyCodeCache.load_by_key_path")
     phases = {
