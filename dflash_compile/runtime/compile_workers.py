@@ -27,7 +27,6 @@ import os
 import select
 import signal
 import sys
-import threading
 import time
 
 import torch
@@ -70,7 +69,6 @@ def compile_in_workers(steps, keys: list, workers: int, done) -> dict:
     """Compile and save ``keys`` in up to ``workers`` forked children at a time, longest first as listed; ``done(key,
     seconds or None)`` is called as each ends (None: it failed). Returns ``{key: the child's seconds}`` for the keys
     whose graph a child saved."""
-    from . import compiled_steps as cs
     from . import openmp
 
     steps.folder()  # settled before the fork: children save where this process loads
@@ -83,7 +81,7 @@ def compile_in_workers(steps, keys: list, workers: int, done) -> dict:
                 openmp.release_idle_team()
                 sys.stdout.flush()  # else the child would write this process's buffered output a second time
                 sys.stderr.flush()
-                with cs._TRACING:  # no other thread of this process is inside a trace at the fork
+                with steps.tracing():  # no other thread of this process is inside a trace at the fork
                     pid = os.fork()
                 if pid == 0:  # the child: never returns
                     os.close(read)
@@ -160,11 +158,9 @@ def _status(status: int) -> str:
 def _child(steps, key, write: int) -> None:
     """In a forked child: compile ``key`` (which saves it), write ``{"seconds": ...}`` or ``{"error": ...}`` to
     ``write``, and leave without running the parent's exit handlers."""
-    from . import compiled_steps as cs
-
     code = 1
     try:
-        cs._TRACING = threading.Lock()  # held by the parent's forking thread: a fresh one here
+        steps.renew_tracing()  # held by the parent's forking thread: a fresh one here
         torch._inductor.config.compile_threads = 1  # the parent's compile pool is not this process's
         steps.listeners = []  # the parent's scheduler is not here
         args, kwargs = steps.keys.example(key)

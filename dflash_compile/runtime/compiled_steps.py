@@ -275,6 +275,17 @@ class CompiledSteps:
         # their guard managers) must not go with it.
         return (_detached, ())
 
+    @staticmethod
+    def tracing() -> threading.Lock:
+        """The process-wide lock held while a graph is traced, compiled or loaded."""
+        return _TRACING
+
+    @staticmethod
+    def renew_tracing() -> None:
+        """In a forked child (``compile_workers``): a new tracing lock, the parent's forking thread held the old."""
+        global _TRACING
+        _TRACING = threading.Lock()
+
     def compiled_keys(self) -> list[StepKey]:
         return sorted(self._fns, key=StepKey.sort_key)
 
