@@ -29,7 +29,6 @@ import signal
 import sys
 import time
 
-import torch
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +160,9 @@ def _child(steps, key, write: int) -> None:
     code = 1
     try:
         steps.renew_tracing()  # held by the parent's forking thread: a fresh one here
-        torch._inductor.config.compile_threads = 1  # the parent's compile pool is not this process's
+        from torch._inductor import config as inductor_config
+
+        inductor_config.compile_threads = 1  # the parent's compile pool is not this process's
         steps.listeners = []  # the parent's scheduler is not here
         args, kwargs = steps.keys.example(key)
         before = _metrics()
