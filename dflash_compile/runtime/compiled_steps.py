@@ -70,9 +70,9 @@ def default_cache_dir() -> Path:
 
 
 def package_sources() -> list[Path]:
-    """Every source file of the package, Python and the C++ kernels, in a fixed order."""
+    """Every source file of the package, Python and the C++ kernels (and their headers), in a fixed order."""
     root = Path(__file__).parents[1]
-    return sorted([*root.rglob("*.py"), *root.rglob("*.cpp")])
+    return sorted([*root.rglob("*.py"), *root.rglob("*.cpp"), *root.rglob("*.h")])
 
 
 @functools.cache

@@ -7,12 +7,17 @@
 // 65 ms step; docs/benchmarks.md). Here each (row, KV head) task walks the row's block table and reads every visible
 // key and value once from its slot, for all the query heads that share it (GQA without a repeat), with no copy.
 //
-// Per task: the scores of its G * T queries (a [G * T, keys] buffer per worker thread, reused from task to task), a
-// softmax per query in fp32, then the value rows weighted into the output. Keys a query does
-// not see are never read for it (-inf score, weight 0), so garbage or NaN at unallocated or stale slots cannot reach
-// the output; a key no query of the task sees is not read at all, nor is a context position at or past the row's
-// length (its page may be unallocated, -1). A query that sees no key returns zeros. Summation order differs from
-// the ATen form's BLAS calls (equal to rounding, not bit for bit).
+// Per task, as two small matrix products with the task's queries laid out across the vector lanes: the G * T queries
+// transposed into a [D, R] panel (R: G * T rounded up to whole vectors), the scores S = K Q^T computed a few keys by a
+// few query vectors at a time in registers ([keys, R], each key's context row broadcast one value at a time: no
+// horizontal sums), the softmax down each query's lane in fp32, then out = S^T V a few queries by two value vectors
+// at a time. Buffers per worker thread, reused from task to task. A key no query of the task sees (a masked position,
+// a context position at or past the row's length, whose page may be unallocated, -1) is never read, so garbage or NaN
+// at unallocated or stale slots cannot reach the output; a key some query sees has weight 0 (exp of -inf) for the
+// queries that do not. A query that sees no key returns zeros. Each query's result is one chain of fused multiply-adds
+// per score and per output, in a fixed order (the head dim for a score, the keys for an output), so it does not
+// depend on the queries computed with it (block length, query heads, rows). Summation order differs from the ATen
+// form's BLAS calls (equal to rounding, not bit for bit).
 //
 // Built with row_linear.cpp into one library (row_linear.py).
 
@@ -26,88 +31,76 @@
 #include <limits>
 #include <vector>
 
+#include "simd.h"
+
 namespace {
 
-#ifdef __AVX512F__
-constexpr int kLanes = 16;
-#else
-constexpr int kLanes = 8;
-#endif
-typedef float vec __attribute__((vector_size(kLanes * sizeof(float))));
+using dflash_simd::fmadd;
+using dflash_simd::kLanes;
+using dflash_simd::load;
+using dflash_simd::store;
+using dflash_simd::vec;
 
-inline vec loadv(const float* p) {
-  vec v;
-  __builtin_memcpy(&v, p, sizeof(vec));
-  return v;
-}
-
-inline void storev(float* p, vec v) { __builtin_memcpy(p, &v, sizeof(vec)); }
-
-inline float hsum(vec v) {
-  float s = 0.f;
-  for (int l = 0; l < kLanes; ++l) s += v[l];
-  return s;
-}
-
-inline float dot(const float* a, const float* b, int64_t D) {
-  int64_t d = 0;
-  float s = 0.f;
-  if (D >= kLanes) {
-    vec acc = loadv(a) * loadv(b);
-    for (d = kLanes; d + kLanes <= D; d += kLanes) acc += loadv(a + d) * loadv(b + d);
-    s = hsum(acc);
+// s[i * Rp + v * kLanes + l] = scale * (keys[i] . qt[:, v * kLanes + l]) for the NK keys and the NV query vectors
+// of a tile: qt is the [D, Rp] query panel, one fused chain over the head dim per score, in order.
+template <int NK, int NV>
+void score_tile(const float* const* keys, const float* qt, int64_t Rp, int64_t D, float scale, float* s) {
+  vec acc[NK][NV];
+  for (int j = 0; j < NK; ++j)
+    for (int v = 0; v < NV; ++v) acc[j][v] = vec{};
+  for (int64_t d = 0; d < D; ++d) {
+    vec qv[NV];
+    for (int v = 0; v < NV; ++v) qv[v] = load(qt + d * Rp + v * kLanes);
+    for (int j = 0; j < NK; ++j) {
+      const float kd = keys[j][d];
+      for (int v = 0; v < NV; ++v) acc[j][v] = fmadd(kd, qv[v], acc[j][v]);
+    }
   }
-  for (; d < D; ++d) s += a[d] * b[d];
-  return s;
+  for (int j = 0; j < NK; ++j)
+    for (int v = 0; v < NV; ++v) store(s + j * Rp + v * kLanes, acc[j][v] * scale);
 }
 
-// out[i] = scale * (q . keys[i]) for i < L: four keys at a time
-void dots(const float* q, const float* const* keys, int64_t L, int64_t D, float scale, float* out) {
-  const int64_t Dv = D - D % kLanes;
+// The scores of the L keys for query vectors v0 .. v0 + NV: tiles of 12 / NV keys (12 accumulators), then one key at
+// a time.
+template <int NV>
+void score_vectors(const float* const* keys, int64_t L, const float* qt, int64_t Rp, int64_t D, float scale,
+                   float* s) {
+  constexpr int NK = NV == 1 ? 8 : 12 / NV;
   int64_t i = 0;
-  for (; i + 4 <= L; i += 4) {
-    const float *k0 = keys[i], *k1 = keys[i + 1], *k2 = keys[i + 2], *k3 = keys[i + 3];
-    vec a0{}, a1{}, a2{}, a3{};
-    for (int64_t d = 0; d < Dv; d += kLanes) {
-      const vec x = loadv(q + d);
-      a0 += x * loadv(k0 + d), a1 += x * loadv(k1 + d), a2 += x * loadv(k2 + d), a3 += x * loadv(k3 + d);
-    }
-    float s0 = hsum(a0), s1 = hsum(a1), s2 = hsum(a2), s3 = hsum(a3);
-    for (int64_t d = Dv; d < D; ++d) s0 += q[d] * k0[d], s1 += q[d] * k1[d], s2 += q[d] * k2[d], s3 += q[d] * k3[d];
-    out[i] = scale * s0, out[i + 1] = scale * s1, out[i + 2] = scale * s2, out[i + 3] = scale * s3;
-  }
-  for (; i < L; ++i) out[i] = scale * dot(q, keys[i], D);
+  for (; i + NK <= L; i += NK) score_tile<NK, NV>(keys + i, qt, Rp, D, scale, s + i * Rp);
+  for (; i < L; ++i) score_tile<1, NV>(keys + i, qt, Rp, D, scale, s + i * Rp);
 }
 
-// out[:D] = sum_i w[i] * values[i] over the i with w[i] != 0 (no other value row is read), a chunk of four vectors
-// of the output at a time in registers
-void weighted_sum(const float* w, const float* const* values, int64_t L, int64_t D, float* out) {
-  constexpr int64_t kChunk = 4 * kLanes;
+// out[q * D + d] = sum_i w[i * Rp + q] * values[i][d] for the NQ queries of a tile and the head dims d0 .. d0 +
+// NC * kLanes, in key order
+template <int NQ, int NC>
+void value_tile(const float* w, int64_t Rp, const float* const* values, int64_t L, int64_t d0, int64_t D,
+                float* out) {
+  vec acc[NQ][NC];
+  for (int q = 0; q < NQ; ++q)
+    for (int c = 0; c < NC; ++c) acc[q][c] = vec{};
+  for (int64_t i = 0; i < L; ++i) {
+    vec vv[NC];
+    for (int c = 0; c < NC; ++c) vv[c] = load(values[i] + d0 + c * kLanes);
+    const float* wi = w + i * Rp;
+    for (int q = 0; q < NQ; ++q)
+      for (int c = 0; c < NC; ++c) acc[q][c] = fmadd(wi[q], vv[c], acc[q][c]);
+  }
+  for (int q = 0; q < NQ; ++q)
+    for (int c = 0; c < NC; ++c) store(out + q * D + d0 + c * kLanes, acc[q][c]);
+}
+
+template <int NQ>
+void value_queries(const float* w, int64_t Rp, const float* const* values, int64_t L, int64_t D, float* out) {
   int64_t d = 0;
-  for (; d + kChunk <= D; d += kChunk) {
-    vec a0{}, a1{}, a2{}, a3{};
-    for (int64_t i = 0; i < L; ++i) {
-      if (w[i] == 0.f) continue;
-      const float* v = values[i] + d;
-      const float wi = w[i];
-      a0 += wi * loadv(v), a1 += wi * loadv(v + kLanes), a2 += wi * loadv(v + 2 * kLanes),
-          a3 += wi * loadv(v + 3 * kLanes);
+  for (; d + 2 * kLanes <= D; d += 2 * kLanes) value_tile<NQ, 2>(w, Rp, values, L, d, D, out);
+  for (; d + kLanes <= D; d += kLanes) value_tile<NQ, 1>(w, Rp, values, L, d, D, out);
+  for (; d < D; ++d)  // a head dim that is no multiple of the vector: the last values one at a time
+    for (int q = 0; q < NQ; ++q) {
+      float a = 0.f;
+      for (int64_t i = 0; i < L; ++i) a = __builtin_fmaf(w[i * Rp + q], values[i][d], a);
+      out[q * D + d] = a;
     }
-    storev(out + d, a0), storev(out + d + kLanes, a1), storev(out + d + 2 * kLanes, a2),
-        storev(out + d + 3 * kLanes, a3);
-  }
-  for (; d + kLanes <= D; d += kLanes) {
-    vec a{};
-    for (int64_t i = 0; i < L; ++i)
-      if (w[i] != 0.f) a += w[i] * loadv(values[i] + d);
-    storev(out + d, a);
-  }
-  for (; d < D; ++d) {
-    float a = 0.f;
-    for (int64_t i = 0; i < L; ++i)
-      if (w[i] != 0.f) a += w[i] * values[i][d];
-    out[d] = a;
-  }
 }
 
 // exp(x) for a vector, x <= 0 (scores minus their maximum): 2^n * e^r with |r| <= ln2 / 2, e^r by its degree-6
@@ -194,8 +187,9 @@ at::Tensor block_attention(const at::Tensor& q_in, const at::Tensor& k_pool_in, 
     TORCH_CHECK(k_block->size(0) == B && k_block->size(1) == Hkv && k_block->size(2) == T && k_block->size(3) == D &&
                     v_block->sizes() == k_block->sizes(),
                 "dflash_cpu::block_attention: block K/V of ", k_block->sizes(), " for q of ", q.sizes());
-  const int64_t G = Hq / Hkv, R = G * T;
+  const int64_t G = Hq / Hkv, R = G * T, RV = (R + kLanes - 1) / kLanes, Rp = RV * kLanes;
   const Rule rule{causal, window, chunk};
+  const bool plain = window == 0 && chunk == 0;
   at::Tensor out = at::empty_like(q);
   const float* qp = q.data_ptr<float>();
   const float* kp = k_pool_in.data_ptr<float>();
@@ -210,7 +204,7 @@ at::Tensor block_attention(const at::Tensor& q_in, const at::Tensor& k_pool_in, 
   const float neg_inf = -std::numeric_limits<float>::infinity();
 
   at::parallel_for(0, B * Hkv, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> scores, acc;
+    std::vector<float> scores, qt;
     std::vector<const float*> keys, values;
     std::vector<int64_t> key_pos;
     for (int64_t task = t0; task < t1; ++task) {
@@ -219,20 +213,27 @@ at::Tensor block_attention(const at::Tensor& q_in, const at::Tensor& k_pool_in, 
       const int64_t n_ctx = std::min<int64_t>(std::max<int64_t>(lp[b], 0), NB * page_size);
       // the keys some query of this row sees, with their rows in the pool (or the block)
       keys.clear(), values.clear(), key_pos.clear();
-      int64_t hi = std::numeric_limits<int64_t>::min();  // the last query position
-      for (int64_t t = 0; t < T; ++t) hi = std::max(hi, P[t]);
-      for (int64_t p = 0; p < n_ctx; ++p) {
-        bool seen = false;
-        for (int64_t t = 0; t < T && !seen; ++t) seen = rule.sees(P[t], p);
-        if (!seen) {
-          if (causal && p > hi) break;  // no later key is seen either
-          continue;
-        }
+      int64_t lo = std::numeric_limits<int64_t>::max(), hi = std::numeric_limits<int64_t>::min();
+      for (int64_t t = 0; t < T; ++t) lo = std::min(lo, P[t]), hi = std::max(hi, P[t]);
+      auto add = [&](int64_t p) {
         const int64_t page = tp[b * NB + p / page_size];
         TORCH_CHECK(page >= 0 && page * page_size + p % page_size < slots, "dflash_cpu::block_attention: row ", b,
                     " reads position ", p, " (its length ", lp[b], ") from page ", page, " of its block table");
         const int64_t slot = page * page_size + p % page_size;
         keys.push_back(kp + slot * ks0 + h * ks1), values.push_back(vp + slot * vs0 + h * vs1), key_pos.push_back(p);
+      };
+      if (plain) {  // no window, no chunks: the keys seen are a prefix of the context
+        const int64_t end = causal ? std::min(n_ctx, hi + 1) : n_ctx;
+        for (int64_t p = 0; p < end; ++p) add(p);
+      } else {
+        for (int64_t p = 0; p < n_ctx; ++p) {
+          bool seen = false;
+          for (int64_t t = 0; t < T && !seen; ++t) seen = rule.sees(P[t], p);
+          if (seen)
+            add(p);
+          else if (causal && p > hi)
+            break;  // no later key is seen either
+        }
       }
       if (with_block) {
         const at::Tensor& kb = *k_block;
@@ -244,43 +245,52 @@ at::Tensor block_attention(const at::Tensor& q_in, const at::Tensor& k_pool_in, 
         }
       }
       const int64_t L = static_cast<int64_t>(keys.size());
-      scores.assign(R * std::max<int64_t>(L, 1), 0.f);
-      acc.assign(R * D, 0.f);
-      // scores: for each query, four keys at a time (four independent sums in flight); the keys of a task stay in
-      // the cache from one query to the next
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t t = 0; t < T; ++t) {
-          const int64_t r = g * T + t;
-          const float* qr = qp + (((b * Hq + h * G + g) * T + t) * D);
-          float* s = scores.data() + r * L;
-          dots(qr, keys.data(), L, D, sc, s);
-          for (int64_t i = 0; i < L; ++i)
-            if (!rule.sees(P[t], key_pos[i])) s[i] = neg_inf;
-        }
-      for (int64_t r = 0; r < R; ++r) {  // softmax per query, in place; a query that sees nothing stays all zeros
-        float* s = scores.data() + r * L;
-        float m = neg_inf;
-        for (int64_t i = 0; i < L; ++i) m = std::max(m, s[i]);
-        if (m == neg_inf) {
-          for (int64_t i = 0; i < L; ++i) s[i] = 0.f;
-          continue;
-        }
-        float sum = 0.f;
-        int64_t i = 0;
-        for (; i + kLanes <= L; i += kLanes) {
-          const vec e = exp_nonpositive(loadv(s + i) - m);
-          storev(s + i, e);
-          for (int l = 0; l < kLanes; ++l) sum += e[l];
-        }
-        for (; i < L; ++i) sum += (s[i] = s[i] == neg_inf ? 0.f : std::exp(s[i] - m));
-        const float inv = 1.f / sum;
-        for (int64_t i = 0; i < L; ++i) s[i] *= inv;
-      }
-      for (int64_t r = 0; r < R; ++r)  // values: each query's weighted sum, its accumulators in registers
-        weighted_sum(scores.data() + r * L, values.data(), L, D, acc.data() + r * D);
-      for (int64_t g = 0; g < G; ++g)
+      // the task's queries (rows g * T + t of q[b, h * G .. h * G + G]: contiguous) as a [D, Rp] panel
+      const float* qtask = qp + (b * Hq + h * G) * T * D;
+      qt.assign(D * Rp, 0.f);
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t d = 0; d < D; ++d) qt[d * Rp + r] = qtask[r * D + d];
+      scores.resize(std::max<int64_t>(L, 1) * Rp);
+      int64_t v = 0;
+      for (; v + 3 <= RV; v += 3) score_vectors<3>(keys.data(), L, qt.data() + v * kLanes, Rp, D, sc, scores.data() + v * kLanes);
+      if (RV - v == 2) score_vectors<2>(keys.data(), L, qt.data() + v * kLanes, Rp, D, sc, scores.data() + v * kLanes);
+      if (RV - v == 1) score_vectors<1>(keys.data(), L, qt.data() + v * kLanes, Rp, D, sc, scores.data() + v * kLanes);
+      for (int64_t i = 0; i < L; ++i) {  // -inf where a query does not see the key (the rule reads t, not g)
+        if (plain && (!causal || key_pos[i] <= lo)) continue;  // every query sees it
         for (int64_t t = 0; t < T; ++t)
-          std::copy_n(acc.data() + (g * T + t) * D, D, op + ((b * Hq + h * G + g) * T + t) * D);
+          if (!rule.sees(P[t], key_pos[i]))
+            for (int64_t g = 0; g < G; ++g) scores[i * Rp + g * T + t] = neg_inf;
+      }
+      // softmax down each query's lane: the maximum, then exp and the sum in key order, then the weights
+      for (int64_t u = 0; u < RV; ++u) {
+        float* s = scores.data() + u * kLanes;
+        vec m = vec{} + neg_inf;
+        for (int64_t i = 0; i < L; ++i) {
+          const vec x = load(s + i * Rp);
+          m = x > m ? x : m;
+        }
+        m = m == neg_inf ? vec{} : m;  // a query that sees no key: every exp is 0, and so is every weight
+        vec sum{};
+        for (int64_t i = 0; i < L; ++i) {
+          const vec e = exp_nonpositive(load(s + i * Rp) - m);
+          store(s + i * Rp, e);
+          sum += e;
+        }
+        const vec inv = sum > 0.f ? 1.f / sum : vec{};
+        for (int64_t i = 0; i < L; ++i) store(s + i * Rp, load(s + i * Rp) * inv);
+      }
+      // values: straight into the output rows of the task's queries (contiguous, like the queries)
+      float* otask = op + (b * Hq + h * G) * T * D;
+      int64_t r = 0;
+      for (; r + 6 <= R; r += 6) value_queries<6>(scores.data() + r, Rp, values.data(), L, D, otask + r * D);
+      switch (R - r) {
+        case 5: value_queries<5>(scores.data() + r, Rp, values.data(), L, D, otask + r * D); break;
+        case 4: value_queries<4>(scores.data() + r, Rp, values.data(), L, D, otask + r * D); break;
+        case 3: value_queries<3>(scores.data() + r, Rp, values.data(), L, D, otask + r * D); break;
+        case 2: value_queries<2>(scores.data() + r, Rp, values.data(), L, D, otask + r * D); break;
+        case 1: value_queries<1>(scores.data() + r, Rp, values.data(), L, D, otask + r * D); break;
+        default: break;
+      }
     }
   });
   return out;

@@ -1,7 +1,6 @@
-"""CPU lowering of ``dflash::block_attention``: fp32 attention with few queries (decoding, short blocks, small
-batches: ``KERNEL_MAX_QUERIES``) calls the C++ paged attention (``block_attention.cpp``,
-``dflash_cpu.block_attention``: K/V read in place from the pool); anything else, or where the kernel cannot be built
-or ``DFLASH_CPU_ATTENTION=0``, runs the op as plain ATen, for Inductor to compile into C++ (``aten_block_attention``).
+"""CPU lowering of ``dflash::block_attention``: fp32 attention calls the C++ paged attention (``block_attention.cpp``,
+``dflash_cpu.block_attention``: K/V read in place from the pool); other dtypes, or where the kernel cannot be built
+or ``DFLASH_CPU_ATTENTION=0``, run the op as plain ATen, for Inductor to compile into C++ (``aten_block_attention``).
 
 The backend traces this function into the step graph in place of the op (``lowerings.lower``), so the compiled
 step never calls back into Python for attention. The ATen form walks exactly the context the block table spans: the
@@ -43,28 +42,17 @@ def block_attention(
     return aten_block_attention(*args)
 
 
-#: The kernel takes a graph's attention when, for every size the graph may see, each KV head serves at most
-#: ``KERNEL_MAX_QUERIES`` queries (query heads per KV head times the block length) or the call has at most
-#: ``KERNEL_MAX_TOTAL_QUERIES`` (rows times query heads times the block length). It reads each key once per query (a
-#: dot product with a horizontal sum); the ATen form multiplies all of a head's queries by the gathered keys in one
-#: matmul, which wins with many queries, and costs a fixed ~0.1 ms more per call, which loses with few. SmolLM2-135M's
-#: heads (9 query, 3 KV), 200 tokens of context, one thread, us per layer (``kernel / ATen form compiled``): 8 rows,
-#: block of 1: 225 / 452, 2: 368 / 533, 4: 660 / 657, 8: 1264 / 1092; block of 8, 1 row: 326 / 568, 2 rows: 331 /
-#: 377, 4 rows: 639 / 620; 4 rows, block of 4: 351 / 398.
-KERNEL_MAX_QUERIES = 8
-KERNEL_MAX_TOTAL_QUERIES = 256
-
-
 def _kernel_takes(q, k_pool, v_pool, k_block, v_block) -> bool:
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
-
+    """The kernel takes every fp32 call: it multiplies a task's queries by its keys as a small matrix product (the
+    queries across the vector lanes), and beats the ATen form compiled (gather, then two matmuls) at every size
+    measured, from 3 queries per KV head to 64 (SmolLM2-135M's heads, 9 query and 3 KV of dim 64, 200 tokens of
+    context, one thread, us per layer, kernel / ATen form: 1 row, block of 1: 31 / 139, block of 8: 82 / 234; 8 rows,
+    block of 1: 212 / 512, block of 8: 636 / 1275; 16 rows, block of 16 over 1024 tokens: 18.6 / 61.7 ms;
+    docs/kernels.md)."""
     from . import row_linear  # the library of the CPU kernels
 
     tensors = [t for t in (q, k_pool, v_pool, k_block, v_block) if t is not None]
-    B, Hq, T = q.shape[:3]
-    few = (statically_known_true((Hq // k_pool.shape[-2]) * T <= KERNEL_MAX_QUERIES)
-           or statically_known_true(B * Hq * T <= KERNEL_MAX_TOTAL_QUERIES))
-    return (all(t.dtype == torch.float32 and t.stride(-1) == 1 for t in tensors) and k_pool.dim() == 3 and few
+    return (all(t.dtype == torch.float32 and t.stride(-1) == 1 for t in tensors) and k_pool.dim() == 3
             and row_linear.attention_enabled() and row_linear.load())
 
 

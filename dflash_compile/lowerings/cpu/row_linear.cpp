@@ -27,46 +27,23 @@
 #include <map>
 #include <tuple>
 
+#include "simd.h"
+
 namespace {
 
 constexpr int64_t kMinRows = DFLASH_ROW_LINEAR_MIN_ROWS;
 constexpr int64_t kMaxRows = DFLASH_ROW_LINEAR_MAX_ROWS;
+using dflash_simd::fmadd;
+using dflash_simd::kLanes;
+using dflash_simd::load;
+using dflash_simd::vec;
 #ifdef __AVX512F__
-constexpr int kLanes = 16;    // one zmm register
 constexpr int kRowChunk = 8;  // rows per pass over a group of panels
 constexpr int kPanels = 2;    // panels dotted together: 8 x 2 accumulators of the 32 registers
 #else
-constexpr int kLanes = 8;     // one ymm register (AVX2), or what GCC makes of it elsewhere
 constexpr int kRowChunk = 4;
 constexpr int kPanels = 3;    // 4 x 3 accumulators, 3 weight vectors and a broadcast: the 16 registers
 #endif
-typedef float vec __attribute__((vector_size(kLanes * sizeof(float))));
-
-inline vec load(const float* p) {
-  vec v;
-  __builtin_memcpy(&v, p, sizeof(vec));
-  return v;
-}
-
-// acc + a * w, rounded once, by the same instruction in every instantiation. Left to the compiler
-// (-ffp-contract=fast), GCC fused the product into the sum for some row counts and not for others (its tuning for some
-// CPUs splits a chain of multiply-adds on one accumulator), so a row computed alone differed in the last bit from the
-// same row computed with others; a row's result must not depend on the row count (plain decoding at batch 1 and a
-// verified block read the same values). The intrinsics' types made GCC keep the accumulators in memory; an asm
-// statement keeps them in registers.
-inline vec fmadd(float a, vec w, vec acc) {
-  const vec av = a - vec{};  // a in every lane (a - 0 is a, signed zeros included)
-#if defined(__x86_64__) && (defined(__AVX512F__) || defined(__FMA__))
-  asm("vfmadd231ps %[w], %[a], %[acc]" : [acc] "+v"(acc) : [a] "v"(av), [w] "v"(w));
-  return acc;
-#elif defined(__ARM_FEATURE_FMA)
-  vec r;
-  for (int j = 0; j < kLanes; ++j) r[j] = __builtin_fmaf(a, w[j], acc[j]);  // one fused instruction per lane
-  return r;
-#else
-  return acc + av * w;  // no fused multiply-add in this CPU: nothing for the compiler to fuse either
-#endif
-}
 
 // ------------------------------------------------------------------------------------------------ packed weights
 // packed[p][k][j] = weight[p * kLanes + j][k] (zero past the last row): [ceil(N / kLanes), K, kLanes]

@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 #: row count from 1 to 128 (batch 1 or 8, a verified block or one token), not bit for bit HF's own.
 MIN_ROWS, MAX_ROWS = 1, 128
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("row_linear.cpp", "block_attention.cpp"))
+HEADERS = (Path(__file__).with_name("simd.h"),)  # included by the sources: part of the library's name
 _lock = threading.Lock()
 _state: dict = {}
 
@@ -61,7 +62,7 @@ def _cflags() -> list[str]:
 
 
 def library_name() -> str:
-    sources = b"".join(src.read_bytes() for src in SOURCES)
+    sources = b"".join(src.read_bytes() for src in SOURCES + HEADERS)
     digest = hashlib.sha256(sources + torch.__version__.encode() + cpu_flags_digest().encode()
                             + " ".join(_cflags()).encode()).hexdigest()[:12]
     return f"dflash_row_linear_{digest}"
