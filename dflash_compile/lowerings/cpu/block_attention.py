@@ -45,10 +45,9 @@ def block_attention(
 def _kernel_takes(q, k_pool, v_pool, k_block, v_block) -> bool:
     """The kernel takes every fp32 call: it multiplies a task's queries by its keys as a small matrix product (the
     queries across the vector lanes), and beats the ATen form compiled (gather, then two matmuls) at every size
-    measured, from 3 queries per KV head to 64 (SmolLM2-135M's heads, 9 query and 3 KV of dim 64, 200 tokens of
-    context, one thread, us per layer, kernel / ATen form: 1 row, block of 1: 31 / 139, block of 8: 82 / 234; 8 rows,
-    block of 1: 212 / 512, block of 8: 636 / 1275; 16 rows, block of 16 over 1024 tokens: 18.6 / 61.7 ms;
-    docs/kernels.md)."""
+    measured (SmolLM2-135M's heads, 9 query and 3 KV of dim 64, ~200 tokens of context, one thread, µs per layer,
+    kernel / ATen form: the plain step at 1 and 16 rows 30 / 152 and 430 / 1011, a verify of 8 positions 70 / 252 and
+    1033 / 3214; ``benchmarks/bench_block_attention.py``, docs/kernels.md)."""
     from . import row_linear  # the library of the CPU kernels
 
     tensors = [t for t in (q, k_pool, v_pool, k_block, v_block) if t is not None]
