@@ -223,6 +223,30 @@ def test_close_refuses_while_requests_run():
     spec.close()
 
 
+def test_in_flight_counts_a_request_being_admitted_once():
+    """While joining requests are prefilled they are the batch's rows already: counted there, not also as joining
+    (other callers size the graphs they ready by it)."""
+    _, spec = _pair()
+    seen = []
+    prefill = spec.dflash_step.prefill
+
+    def counting(*args, **kwargs):
+        seen.append(spec.scheduler.in_flight())
+        return prefill(*args, **kwargs)
+
+    spec.dflash_step.prefill = counting
+    prompts = _prompts([5, 6])  # lengths alike: one prefill group
+    prompts, _, args, generators = spec._requests(prompts, None, None, None, None, None, False,
+                                                  dict(max_new_tokens=4, pad_token_id=PAD))
+    handles = spec.scheduler.submit_together(prompts, args, generators)
+    for h in handles:
+        h.result(timeout=60)
+    assert seen == [2]
+    _wait_idle(spec)
+    assert spec.scheduler.in_flight() == 0
+    spec.close()
+
+
 # ------------------------------------------------------------------ num_speculative_tokens < block_size - 1
 @pytest.mark.parametrize("K", [1, 2])
 def test_fewer_verified_drafts_are_lossless_and_counted(K):

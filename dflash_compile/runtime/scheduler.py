@@ -250,7 +250,9 @@ class Scheduler:
         if batch.capacity < len(batch.rows) + len(new):
             batch.grow(spec.batch_bucket(len(batch.rows) + len(new)))
         first = len(batch.rows)
-        batch.rows.extend(new)
+        with self._lock:  # the joining requests are the batch's rows now: in_flight() counts them once
+            batch.rows.extend(new)
+            self._joining = 0
         for j, r in enumerate(new):
             r.seq_len = len(r.prompt)
             r.acceptance = spec.policy.history(B - 1)
