@@ -112,7 +112,8 @@ def test_another_process_loads_the_saved_graph(saved, tmp_path):
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
     isa = pick_vec_isa()
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    # from another working directory: torch's settings hold paths that follow it, and the folder must not
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     same, hows, probes = json.loads(out.stdout.strip().splitlines()[-1])
     assert same and hows == ["loaded"]
@@ -352,6 +353,28 @@ def test_the_fingerprint_does_not_depend_on_where_the_model_was_loaded_from(tmp_
         torch.set_num_threads(threads)
     target.config.rms_norm_eps = 1e-3  # a config value is part of it
     assert fingerprint(spec, "dflash", None, {}) != first
+
+
+def test_the_fingerprint_follows_the_compilers_settings():
+    """A graph made under other Inductor or dynamo settings (set in code or by TORCHINDUCTOR_* variables) is not
+    loaded in their place; the settings the step's compile sets itself do not count."""
+    from dflash_compile.runtime.compiled_steps import compiler_settings
+
+    _, spec = _pair()
+    first = fingerprint_of(spec)
+    with torch._inductor.config.patch(size_asserts=not torch._inductor.config.size_asserts):
+        assert fingerprint_of(spec) != first
+    with torch._dynamo.config.patch(capture_scalar_outputs=not torch._dynamo.config.capture_scalar_outputs):
+        assert fingerprint_of(spec) != first
+    with torch._dynamo.config.patch(automatic_dynamic_shapes=False, recompile_limit=1000):
+        assert fingerprint_of(spec) == first
+    assert fingerprint_of(spec) == first and len(compiler_settings()) == 16
+
+
+def fingerprint_of(spec):
+    from dflash_compile.runtime.compiled_steps import fingerprint
+
+    return fingerprint(spec, "dflash", None, {})
 
 
 def test_a_wrapper_changes_folder_with_the_thread_count(tmp_path):

@@ -15,7 +15,7 @@ part of the key.
 
 The cache. A directory (``cache_dir=``; else ``$DFLASH_COMPILE_CACHE_DIR``; else ``$XDG_CACHE_HOME/dflash_compile``
 or ``~/.cache/dflash_compile``) with one folder per fingerprint — torch, transformers and Python versions, this
-package's source, the backend and its options, both models' configs and parameter shapes and dtypes, the
+package's source, the backend and its options, torch's compiler settings (``compiler_settings``), both models' configs and parameter shapes and dtypes, the
 wrapper's pool geometry, the device (CPU: the architecture, ATen's CPU capability, the CPU's feature flags and the
 intra-op thread count; CUDA: the GPU's name and capability) — and one file per key, plus ``inductor/``: Inductor's own cache while it
 compiles or loads a step (the C++/Triton binaries a saved graph loads), so that a copy of the directory carries
@@ -41,6 +41,7 @@ import logging
 import os
 import pickle
 import platform
+import re
 import sys
 import threading
 import time
@@ -139,6 +140,7 @@ def fingerprint(spec, backend: str, mode, options: dict, regions: bool = False) 
         "backend": backend,
         "mode": mode,
         "options": {k: repr(v) for k, v in sorted(options.items())},
+        "compiler_settings": compiler_settings(),
         "regions": regions,
         "device": _device_tag(p.device),
         # a CPU graph is guarded on the intra-op thread count (torch's global state): one folder per count, so a
@@ -155,6 +157,41 @@ def fingerprint(spec, backend: str, mode, options: dict, regions: bool = False) 
         "row_linear": (_row_linear_state() if p.device.type == "cpu" and backend in ("dflash", "dflash_neuron")
                        else None),
     }
+
+
+#: dynamo settings the step's compile sets itself (``_compile``, ``_InProcessStep``): a user's value never reaches
+#: the graph
+_SET_BY_THE_STEP = frozenset({"dynamo.automatic_dynamic_shapes", "dynamo.recompile_limit",
+                              "dynamo.accumulated_recompile_limit"})
+_A_PATH = re.compile(r"(^|_)(dir|path)(_|$)")
+
+
+def compiler_settings() -> str:
+    """A digest of the settings torch's compiler makes a graph under, however they were set (in code, or through
+    ``TORCHINDUCTOR_*``/``TORCHDYNAMO_*`` variables: ``TORCHINDUCTOR_SIZE_ASSERTS=0`` is another folder): the
+    portable form of dynamo's, AOTAutograd's and Inductor's configs (what Inductor's own cache keys on), without
+    paths (they follow the working directory) and the dynamo settings the step's compile sets itself."""
+    import torch._dynamo.config as dynamo_config
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    items = []
+    for name, module in (("dynamo", dynamo_config), ("functorch", functorch_config), ("inductor", inductor_config)):
+        for k, v in module.save_config_portable().items():
+            if f"{name}.{k}" not in _SET_BY_THE_STEP and not _A_PATH.search(k.rsplit(".", 1)[-1]):
+                items.append((f"{name}.{k}", _stable_repr(v)))
+    return hashlib.sha256(repr(sorted(items)).encode()).hexdigest()[:16]
+
+
+def _stable_repr(value) -> str:
+    """``repr`` with sets and dicts in sorted order (a set's own order changes from one process to the next)."""
+    if isinstance(value, (set, frozenset)):
+        return repr(sorted(map(_stable_repr, value)))
+    if isinstance(value, dict):
+        return repr(sorted((_stable_repr(k), _stable_repr(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return repr([_stable_repr(v) for v in value])
+    return repr(value)
 
 
 def _row_linear_state() -> str:
