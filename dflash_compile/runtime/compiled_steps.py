@@ -15,11 +15,11 @@ part of the key.
 
 The cache. A directory (``cache_dir=``; else ``$DFLASH_COMPILE_CACHE_DIR``; else ``$XDG_CACHE_HOME/dflash_compile``
 or ``~/.cache/dflash_compile``) with one folder per fingerprint — torch, transformers and Python versions, this
-package's source, the backend and its options, torch's compiler settings (``compiler_settings``), both models' configs and parameter shapes and dtypes, the
-wrapper's pool geometry, the device (CPU: the architecture, ATen's CPU capability, the CPU's feature flags and the
-intra-op thread count; CUDA: the GPU's name and capability) — and one file per key, plus ``inductor/``: Inductor's own cache while it
-compiles or loads a step (the C++/Triton binaries a saved graph loads), so that a copy of the directory carries
-them. The weights' values are not in the fingerprint: the graphs read the parameters at every call, so a pair with
+package's source, the backend and its options, torch's compiler settings (``compiler_settings``), both models'
+configs and parameter shapes and dtypes, the wrapper's pool geometry, the device (CPU: the architecture, ATen's CPU
+capability, the CPU's feature flags and the intra-op thread count; CUDA: the GPU's name and capability) — and one
+file per key, plus ``inductor/``: Inductor's own cache while it compiles or loads a step (the C++/Triton binaries a
+saved graph loads), so that a copy of the directory carries them. The weights' values are not in the fingerprint: the graphs read the parameters at every call, so a pair with
 other weights of the same shapes reuses them. Each file carries its key and a SHA-256 of the payload; an entry that
 is corrupted, truncated, for another key or rejected by its own guards is ignored with one warning line and
 compiled again (and rewritten). Only backends given by name are cached on disk; a backend callable is compiled in
@@ -163,7 +163,7 @@ def fingerprint(spec, backend: str, mode, options: dict, regions: bool = False) 
 #: the graph
 _SET_BY_THE_STEP = frozenset({"dynamo.automatic_dynamic_shapes", "dynamo.recompile_limit",
                               "dynamo.accumulated_recompile_limit"})
-_A_PATH = re.compile(r"(^|_)(dir|path)(_|$)")
+_A_PATH = re.compile(r"(^|_)(dir|path|root)$")  # a setting's last name part: base_dir, debug_dir_root, output_path
 
 
 def compiler_settings() -> str:
