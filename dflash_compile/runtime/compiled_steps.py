@@ -13,17 +13,17 @@ block tables' page dimension is marked dynamic, from 2 pages to the capacity, an
 pages a step hands it. ``dflash_neuron`` compiles static graphs (NEFFs are static): there the context bucket is
 part of the key.
 
-The cache. A directory (``cache_dir=``; else ``$DFLASH_COMPILE_CACHE_DIR``; else ``$XDG_CACHE_HOME/dflash_compile``
-or ``~/.cache/dflash_compile``) with one folder per fingerprint — torch, transformers and Python versions, this
-package's source, the backend and its options, torch's compiler settings (``compiler_settings``), both models'
-configs and parameter shapes and dtypes, the wrapper's pool geometry, the device (CPU: the architecture, ATen's CPU
-capability, the CPU's feature flags and the intra-op thread count; CUDA: the GPU's name and capability) — and one
-file per key, plus ``inductor/``: Inductor's own cache while it compiles or loads a step (the C++/Triton binaries a
-saved graph loads), so that a copy of the directory carries them. The weights' values are not in the fingerprint: the graphs read the parameters at every call, so a pair with
-other weights of the same shapes reuses them. Each file carries its key and a SHA-256 of the payload; an entry that
-is corrupted, truncated, for another key or rejected by its own guards is ignored with one warning line and
-compiled again (and rewritten). Only backends given by name are cached on disk; a backend callable is compiled in
-memory.
+The cache. A directory (``cache_dir=``; else ``$DFLASH_COMPILE_CACHE_DIR``; else ``$XDG_CACHE_HOME/dflash_compile`` or
+``~/.cache/dflash_compile``) with one folder per fingerprint — torch, transformers and Python versions, this package's
+source, the backend and its options, torch's compiler settings (``compiler_settings``), both models' configs and
+parameter shapes and dtypes, the wrapper's pool geometry, the device (CPU: the architecture, ATen's CPU capability, the
+CPU's feature flags and the intra-op thread count; CUDA: the GPU's name and capability) — and one file per key, plus
+``inductor/``: Inductor's own cache while it compiles or loads a step (the C++/Triton binaries a saved graph loads), so
+that a copy of the directory carries them. The weights' values are not in the fingerprint: the graphs read the
+parameters at every call, so a pair with other weights of the same shapes reuses them. Each file carries its key and a
+SHA-256 of the payload; an entry that is corrupted, truncated, for another key or rejected by its own guards is ignored
+with one warning line and compiled again (and rewritten). Only backends given by name are cached on disk; a backend
+callable is compiled in memory.
 
 A key with no graph yet does what ``on_miss`` says: compile it now (default), run the eager step, compile it on a
 background thread while the eager step serves, or raise.
