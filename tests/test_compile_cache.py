@@ -358,9 +358,13 @@ def test_the_fingerprint_does_not_depend_on_where_the_model_was_loaded_from(tmp_
 def test_the_fingerprint_follows_the_compilers_settings():
     """A graph made under other Inductor or dynamo settings (set in code or by TORCHINDUCTOR_* variables) is not
     loaded in their place; the settings the step's compile sets itself do not count."""
-    from dflash_compile.runtime.compiled_steps import compiler_settings
+    from dflash_compile.runtime.compiled_steps import compiler_settings, fingerprint
 
     _, spec = _pair()
+
+    def fingerprint_of(spec):
+        return fingerprint(spec, "dflash", None, {})
+
     first = fingerprint_of(spec)
     with torch._inductor.config.patch(size_asserts=not torch._inductor.config.size_asserts):
         assert fingerprint_of(spec) != first
@@ -369,12 +373,6 @@ def test_the_fingerprint_follows_the_compilers_settings():
     with torch._dynamo.config.patch(automatic_dynamic_shapes=False, recompile_limit=1000):
         assert fingerprint_of(spec) == first
     assert fingerprint_of(spec) == first and len(compiler_settings()) == 16
-
-
-def fingerprint_of(spec):
-    from dflash_compile.runtime.compiled_steps import fingerprint
-
-    return fingerprint(spec, "dflash", None, {})
 
 
 def test_a_wrapper_changes_folder_with_the_thread_count(tmp_path):

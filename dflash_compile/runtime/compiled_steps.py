@@ -159,8 +159,8 @@ def fingerprint(spec, backend: str, mode, options: dict, regions: bool = False) 
     }
 
 
-#: dynamo settings the step's compile sets itself (``_compile``, ``_InProcessStep``): a user's value never reaches
-#: the graph
+#: dynamo settings the step's compile sets itself (``_compile``, ``_InProcessStep``), or reads only to set its
+#: recompile limit: a user's value never reaches the graph
 _SET_BY_THE_STEP = frozenset({"dynamo.automatic_dynamic_shapes", "dynamo.recompile_limit",
                               "dynamo.accumulated_recompile_limit"})
 _A_PATH = re.compile(r"(^|_)(dir|path|root)$")  # a setting's last name part: base_dir, debug_dir_root, output_path
