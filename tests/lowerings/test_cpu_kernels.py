@@ -1,6 +1,11 @@
 """The CPU kernels against the oracles in ``lowerings/ops.py``."""
 
 import itertools
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -90,6 +95,31 @@ def test_a_querys_result_does_not_depend_on_the_queries_beside_it():
     one_head = q.view(B, Hkv, gqa, T, D)[:, :, 0].contiguous()  # the first query head of each KV head
     alone = _kernel(one_head, k_pool, v_pool, table, lens, q_pos, None, None, page, True, 0, D**-0.5, 0)
     assert torch.equal(alone, block.view(B, Hkv, gqa, T, D)[:, :, 0])
+
+
+@needs_kernel
+def test_the_generic_lane_sum_equals_the_reference_too():
+    """The scores' lane sum in its generic form (what an AVX-512 or an Arm machine builds; here the AVX form runs),
+    built in a process of its own: against the reference, and a block's query bit for bit the query alone."""
+    code = textwrap.dedent("""
+        import torch
+        from dflash_compile.lowerings.cpu import row_linear
+        from tests.lowerings.test_cpu_kernels import (
+            _case, _kernel, test_a_querys_result_does_not_depend_on_the_queries_beside_it)
+        from dflash_compile.lowerings.ops import _block_attention_reference
+        assert row_linear.load()
+        for T, gqa, D in ((1, 3, 64), (8, 3, 64), (3, 2, 19), (9, 1, 40)):
+            for causal, with_block in ((True, False), (False, True)):
+                q, k_pool, v_pool, table, ctx_lens, q_pos, kb, vb = _case(T, 4, gqa, with_block, torch.float32, D=D)
+                args = (q, k_pool, v_pool, table, ctx_lens, q_pos, kb, vb, 4, causal, 0, D**-0.5, 0)
+                torch.testing.assert_close(_kernel(*args), _block_attention_reference(*args), atol=1e-5, rtol=1e-5)
+        test_a_querys_result_does_not_depend_on_the_queries_beside_it()
+        print("ok")
+    """)
+    env = dict(os.environ, DFLASH_ROW_LINEAR_CFLAGS="-DDFLASH_GENERIC_SUM_LANES")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
+                       cwd=Path(__file__).resolve().parents[2])
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
 
 
 @pytest.mark.parametrize("impl", ["lowering", "aten", pytest.param("kernel", marks=needs_kernel)])

@@ -7,17 +7,21 @@
 // 65 ms step; docs/benchmarks.md). Here each (row, KV head) task walks the row's block table and reads every visible
 // key and value once from its slot, for all the query heads that share it (GQA without a repeat), with no copy.
 //
-// Per task, as two small matrix products with the task's queries laid out across the vector lanes: the G * T queries
-// transposed into a [D, R] panel (R: G * T rounded up to whole vectors), the scores S = K Q^T computed a few keys by a
-// few query vectors at a time in registers ([keys, R], each key's context row broadcast one value at a time: no
-// horizontal sums), the softmax down each query's lane in fp32, then out = S^T V a few queries by two value vectors
-// at a time. Buffers per worker thread, reused from task to task. A key no query of the task sees (a masked position,
-// a context position at or past the row's length, whose page may be unallocated, -1) is never read, so garbage or NaN
-// at unallocated or stale slots cannot reach the output; a key some query sees has weight 0 (exp of -inf) for the
-// queries that do not. A query that sees no key returns zeros. Each query's result is one chain of fused multiply-adds
-// per score and per output, in a fixed order (the head dim for a score, the keys for an output), so it does not
-// depend on the queries computed with it (block length, query heads, rows). Summation order differs from the ATen
-// form's BLAS calls (equal to rounding, not bit for bit).
+// Per task, as two small matrix products. The scores S = K Q^T ([G * T, keys]) come kLanes keys at a time for one
+// query: each dot product runs across the head dim in the vector lanes, and the lanes of kLanes such products are
+// summed into one vector of kLanes scores (a tree of shuffles and adds, the same for every lane). A query's scores
+// are thus one vector per kLanes keys whatever the number of queries: plain decoding (G * T = 3 queries per KV head
+// on SmolLM2, 2 on the tiny pair) fills every lane, where a layout with the queries across the lanes would fill G * T
+// of them (every key's score, exp and weight computed 8 / 3 times over: 9.6 -> x.x us a task at SmolLM2's shape, 8
+// rows, ~230 keys). Then the softmax along each query's row in fp32 (a vectorised exp), and out = S^T V a few
+// queries by two value vectors at a time. Buffers per worker thread, reused from task to task. A key no query of the
+// task sees (a masked position, a context position at or past the row's length, whose page may be unallocated, -1) is
+// never read, so garbage or NaN at unallocated or stale slots cannot reach the output; a key some query sees has
+// weight 0 (exp of -inf) for the queries that do not. A query that sees no key returns zeros. Each query's result is
+// the same operations in the same order whatever the queries computed with it (block length, query heads, rows): a
+// score is one chain of fused multiply-adds per lane and one fixed tree, the softmax's sum one chain per lane (keys
+// l, l + kLanes, ..; keys it does not see add exactly 0) then the lanes in order, an output one chain over the keys.
+// Summation order differs from the ATen form's BLAS calls (equal to rounding, not bit for bit).
 //
 // Built with row_linear.cpp into one library (row_linear.py).
 
@@ -28,7 +32,12 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <utility>
 #include <vector>
+
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
 
 #include "simd.h"
 
@@ -40,64 +49,117 @@ using dflash_simd::load;
 using dflash_simd::store;
 using dflash_simd::vec;
 
-// s[i * Rp + v * kLanes + l] = scale * (keys[i] . qt[:, v * kLanes + l]) for the NK keys and the NV query vectors
-// of a tile: qt is the [D, Rp] query panel, one fused chain over the head dim per score, in order.
-template <int NK, int NV>
-void score_tile(const float* const* keys, const float* qt, int64_t Rp, int64_t D, float scale, float* s) {
-  vec acc[NK][NV];
-  for (int j = 0; j < NK; ++j)
-    for (int v = 0; v < NV; ++v) acc[j][v] = vec{};
-  for (int64_t d = 0; d < D; ++d) {
-    vec qv[NV];
-    for (int v = 0; v < NV; ++v) qv[v] = load(qt + d * Rp + v * kLanes);
-    for (int j = 0; j < NK; ++j) {
-      const float kd = keys[j][d];
-      for (int v = 0; v < NV; ++v) acc[j][v] = fmadd(kd, qv[v], acc[j][v]);
+// Two vectors' even lanes, then their odd lanes: [x0, x2, .., y0, y2, ..] and [x1, x3, .., y1, y3, ..].
+template <std::size_t... I>
+inline vec evens(vec x, vec y, std::index_sequence<I...>) {
+  return __builtin_shufflevector(x, y, (2 * I)...);
+}
+template <std::size_t... I>
+inline vec odds(vec x, vec y, std::index_sequence<I...>) {
+  return __builtin_shufflevector(x, y, (2 * I + 1)...);
+}
+
+// Lane j of the result: the sum of a[j]'s lanes, by the same pairwise tree for every j (((0+1)+(2+3))+((4+5)+(6+7))
+// with 8 lanes): each level adds neighbouring lanes of two vectors into one. a[] is overwritten.
+inline vec sum_lanes(vec* a) {
+#if defined(__AVX__) && !defined(__AVX512F__) && !defined(DFLASH_GENERIC_SUM_LANES)
+  // the same tree with AVX's in-lane horizontal adds (the generic form below costs ~4x the instructions here): each
+  // 128-bit half of u0 / u1 holds the sums of lanes 0-3 / 4-7 of four of the vectors, which the last add pairs up.
+  // (DFLASH_GENERIC_SUM_LANES: the generic form, which AVX-512 machines build, checked here by a test.)
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_permute2f128_ps(u0, u1, 0x20) + _mm256_permute2f128_ps(u0, u1, 0x31);
+#endif
+  const auto half = std::make_index_sequence<kLanes>{};
+  for (int n = kLanes; n > 1; n /= 2)
+    for (int k = 0; k < n / 2; ++k) a[k] = evens(a[2 * k], a[2 * k + 1], half) + odds(a[2 * k], a[2 * k + 1], half);
+  return a[0];
+}
+
+// kLanes dot products scale * (keys[j] . queries[j]) summed into one vector, lane j the j-th: the head dim across
+// the lanes (one chain of fused multiply-adds per lane, in order), then sum_lanes. A score is the same operations
+// whatever its lane, its tile or the queries beside it. Each query holds Dp >= D floats, zeros past D; a head dim that
+// is no multiple of the vector reads the keys' last values into a zeroed vector. Two forms: kLanes keys for one query
+// (keys[j] = first key + j, queries[j] = q), and kLanes / 2 keys for two queries (fewer loads per multiply-add).
+template <int NK, int NQ>
+inline vec score_tile(const float* const* keys, const float* const* qs, int64_t D, float scale) {
+  static_assert(NK * NQ == kLanes, "one lane per (query, key)");
+  vec acc[kLanes];
+  for (int j = 0; j < kLanes; ++j) acc[j] = vec{};
+  int64_t d = 0;
+  for (; d + kLanes <= D; d += kLanes) {
+    vec kv[NK];
+    for (int j = 0; j < NK; ++j) kv[j] = load(keys[j] + d);
+    for (int q = 0; q < NQ; ++q) {
+      const vec qv = load(qs[q] + d);
+      for (int j = 0; j < NK; ++j) acc[q * NK + j] = fmadd(kv[j], qv, acc[q * NK + j]);
     }
   }
-  for (int j = 0; j < NK; ++j)
-    for (int v = 0; v < NV; ++v) store(s + j * Rp + v * kLanes, acc[j][v] * scale);
+  if (d < D) {
+    vec kv[NK];
+    for (int j = 0; j < NK; ++j) {
+      kv[j] = vec{};
+      __builtin_memcpy(&kv[j], keys[j] + d, (D - d) * sizeof(float));
+    }
+    for (int q = 0; q < NQ; ++q) {
+      const vec qv = load(qs[q] + d);
+      for (int j = 0; j < NK; ++j) acc[q * NK + j] = fmadd(kv[j], qv, acc[q * NK + j]);
+    }
+  }
+  return sum_lanes(acc) * scale;
 }
 
-// The scores of the L keys for query vectors v0 .. v0 + NV: tiles of 12 / NV keys (12 accumulators), then one key at
-// a time.
-template <int NV>
-void score_vectors(const float* const* keys, int64_t L, const float* qt, int64_t Rp, int64_t D, float scale,
-                   float* s) {
-  constexpr int NK = NV == 1 ? 8 : 12 / NV;
-  int64_t i = 0;
-  for (; i + NK <= L; i += NK) score_tile<NK, NV>(keys + i, qt, Rp, D, scale, s + i * Rp);
-  for (; i < L; ++i) score_tile<1, NV>(keys + i, qt, Rp, D, scale, s + i * Rp);
+// The [R, Lp] scores of R queries (qt: [R, Dp]) for the Lp keys: two queries at a time, then the last one alone.
+inline void scores_of(const float* const* keys, int64_t Lp, const float* qt, int64_t R, int64_t Dp, int64_t D,
+                      float scale, float* s) {
+  constexpr int H = kLanes / 2;
+  for (int64_t i = 0; i < Lp; i += kLanes) {
+    int64_t r = 0;
+    for (; r + 2 <= R; r += 2) {
+      const float* qs[2] = {qt + r * Dp, qt + (r + 1) * Dp};
+      for (int64_t h = 0; h < kLanes; h += H) {
+        const vec v = score_tile<H, 2>(keys + i + h, qs, D, scale);
+        __builtin_memcpy(s + r * Lp + i + h, &v, H * sizeof(float));
+        __builtin_memcpy(s + (r + 1) * Lp + i + h, reinterpret_cast<const float*>(&v) + H, H * sizeof(float));
+      }
+    }
+    if (r < R) {
+      const float* qs[1] = {qt + r * Dp};
+      store(s + r * Lp + i, score_tile<kLanes, 1>(keys + i, qs, D, scale));
+    }
+  }
 }
 
-// out[q * D + d] = sum_i w[i * Rp + q] * values[i][d] for the NQ queries of a tile and the head dims d0 .. d0 +
+// out[q * D + d] = sum_i w[q * Lp + i] * values[i][d] for the NQ queries of a tile and the head dims d0 .. d0 +
 // NC * kLanes, in key order
 template <int NQ, int NC>
-void value_tile(const float* w, int64_t Rp, const float* const* values, int64_t L, int64_t d0, int64_t D,
+void value_tile(const float* w, int64_t Lp, const float* const* values, int64_t L, int64_t d0, int64_t D,
                 float* out) {
   vec acc[NQ][NC];
   for (int q = 0; q < NQ; ++q)
     for (int c = 0; c < NC; ++c) acc[q][c] = vec{};
   for (int64_t i = 0; i < L; ++i) {
-    vec vv[NC];
-    for (int c = 0; c < NC; ++c) vv[c] = load(values[i] + d0 + c * kLanes);
-    const float* wi = w + i * Rp;
-    for (int q = 0; q < NQ; ++q)
-      for (int c = 0; c < NC; ++c) acc[q][c] = fmadd(wi[q], vv[c], acc[q][c]);
+    vec wv[NQ];  // the key's weight for each query, in every lane
+    for (int q = 0; q < NQ; ++q) wv[q] = w[q * Lp + i] - vec{};
+    for (int c = 0; c < NC; ++c) {  // one value vector at a time: NQ * NC + NQ + 1 registers
+      const vec vv = load(values[i] + d0 + c * kLanes);
+      for (int q = 0; q < NQ; ++q) acc[q][c] = fmadd(wv[q], vv, acc[q][c]);
+    }
   }
   for (int q = 0; q < NQ; ++q)
     for (int c = 0; c < NC; ++c) store(out + q * D + d0 + c * kLanes, acc[q][c]);
 }
 
 template <int NQ>
-void value_queries(const float* w, int64_t Rp, const float* const* values, int64_t L, int64_t D, float* out) {
+void value_queries(const float* w, int64_t Lp, const float* const* values, int64_t L, int64_t D, float* out) {
+  constexpr int NC = NQ == 1 ? 8 : 4;  // value vectors a pass: NQ * NC accumulators, at most 12
   int64_t d = 0;
-  for (; d + 2 * kLanes <= D; d += 2 * kLanes) value_tile<NQ, 2>(w, Rp, values, L, d, D, out);
-  for (; d + kLanes <= D; d += kLanes) value_tile<NQ, 1>(w, Rp, values, L, d, D, out);
+  for (; d + NC * kLanes <= D; d += NC * kLanes) value_tile<NQ, NC>(w, Lp, values, L, d, D, out);
+  for (; d + kLanes <= D; d += kLanes) value_tile<NQ, 1>(w, Lp, values, L, d, D, out);
   for (; d < D; ++d)  // a head dim that is no multiple of the vector: the last values one at a time
     for (int q = 0; q < NQ; ++q) {
       float a = 0.f;
-      for (int64_t i = 0; i < L; ++i) a = __builtin_fmaf(w[i * Rp + q], values[i][d], a);
+      for (int64_t i = 0; i < L; ++i) a = __builtin_fmaf(w[q * Lp + i], values[i][d], a);
       out[q * D + d] = a;
     }
 }
@@ -186,7 +248,7 @@ at::Tensor block_attention(const at::Tensor& q_in, const at::Tensor& k_pool_in, 
     TORCH_CHECK(k_block->size(0) == B && k_block->size(1) == Hkv && k_block->size(2) == T && k_block->size(3) == D &&
                     v_block->sizes() == k_block->sizes(),
                 "dflash_cpu::block_attention: block K/V of ", k_block->sizes(), " for q of ", q.sizes());
-  const int64_t G = Hq / Hkv, R = G * T, RV = (R + kLanes - 1) / kLanes, Rp = RV * kLanes;
+  const int64_t G = Hq / Hkv, R = G * T, Dp = (D + kLanes - 1) / kLanes * kLanes;
   const Rule rule{causal, window, chunk};
   const bool plain = window == 0 && chunk == 0;
   at::Tensor out = at::empty_like(q);
@@ -201,9 +263,11 @@ at::Tensor block_attention(const at::Tensor& q_in, const at::Tensor& k_pool_in, 
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
   const float neg_inf = -std::numeric_limits<float>::infinity();
+  const int64_t unseen = std::numeric_limits<int64_t>::min();  // the position of a padding key: no query sees it
 
   at::parallel_for(0, B * Hkv, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> scores, qt;
+    const std::vector<float> zeros(Dp, 0.f);  // the row a padding key points at
     std::vector<const float*> keys, values;
     std::vector<int64_t> key_pos;
     for (int64_t task = t0; task < t1; ++task) {
@@ -214,22 +278,28 @@ at::Tensor block_attention(const at::Tensor& q_in, const at::Tensor& k_pool_in, 
       keys.clear(), values.clear(), key_pos.clear();
       int64_t lo = std::numeric_limits<int64_t>::max(), hi = std::numeric_limits<int64_t>::min();
       for (int64_t t = 0; t < T; ++t) lo = std::min(lo, P[t]), hi = std::max(hi, P[t]);
-      auto add = [&](int64_t p) {
+      auto page_of = [&](int64_t p, int64_t last) {  // the page holding positions p .. last (one page), checked
         const int64_t page = tp[b * NB + p / page_size];
-        TORCH_CHECK(page >= 0 && page * page_size + p % page_size < slots, "dflash_cpu::block_attention: row ", b,
-                    " reads position ", p, " (its length ", lp[b], ") from page ", page, " of its block table");
-        const int64_t slot = page * page_size + p % page_size;
+        TORCH_CHECK(page >= 0 && page * page_size + last % page_size < slots, "dflash_cpu::block_attention: row ", b,
+                    " reads position ", last, " (its length ", lp[b], ") from page ", page, " of its block table");
+        return page;
+      };
+      auto add = [&](int64_t slot, int64_t p) {
         keys.push_back(kp + slot * ks0 + h * ks1), values.push_back(vp + slot * vs0 + h * vs1), key_pos.push_back(p);
       };
-      if (plain) {  // no window, no chunks: the keys seen are a prefix of the context
+      if (plain) {  // no window, no chunks: the keys seen are a prefix of the context, page by page
         const int64_t end = causal ? std::min(n_ctx, hi + 1) : n_ctx;
-        for (int64_t p = 0; p < end; ++p) add(p);
+        for (int64_t p0 = 0; p0 < end; p0 += page_size) {
+          const int64_t p1 = std::min(end, p0 + page_size);
+          const int64_t first = page_of(p0, p1 - 1) * page_size - p0;
+          for (int64_t p = p0; p < p1; ++p) add(first + p, p);
+        }
       } else {
         for (int64_t p = 0; p < n_ctx; ++p) {
           bool seen = false;
           for (int64_t t = 0; t < T && !seen; ++t) seen = rule.sees(P[t], p);
           if (seen)
-            add(p);
+            add(page_of(p, p) * page_size + p % page_size, p);
           else if (causal && p > hi)
             break;  // no later key is seen either
         }
@@ -244,56 +314,52 @@ at::Tensor block_attention(const at::Tensor& q_in, const at::Tensor& k_pool_in, 
         }
       }
       const int64_t L = static_cast<int64_t>(keys.size());
-      // the task's queries (rows g * T + t of q[b, h * G .. h * G + G]: contiguous) as a [D, Rp] panel
+      const int64_t Lp = std::max<int64_t>((L + kLanes - 1) / kLanes, 1) * kLanes;  // whole vectors of keys
+      for (int64_t i = L; i < Lp; ++i) keys.push_back(zeros.data()), key_pos.push_back(unseen);
+      // the task's queries (rows g * T + t of q[b, h * G .. h * G + G]: contiguous), each padded to Dp with zeros
       const float* qtask = qp + (b * Hq + h * G) * T * D;
-      qt.assign(D * Rp, 0.f);
-      for (int64_t r = 0; r < R; ++r)
-        for (int64_t d = 0; d < D; ++d) qt[d * Rp + r] = qtask[r * D + d];
-      scores.resize(std::max<int64_t>(L, 1) * Rp);
-      for (int64_t v = 0; v < RV; v += 3) {  // three query vectors at a time, then what is left
-        const float* qv = qt.data() + v * kLanes;
-        float* sv = scores.data() + v * kLanes;
-        if (RV - v >= 3)
-          score_vectors<3>(keys.data(), L, qv, Rp, D, sc, sv);
-        else if (RV - v == 2)
-          score_vectors<2>(keys.data(), L, qv, Rp, D, sc, sv);
-        else
-          score_vectors<1>(keys.data(), L, qv, Rp, D, sc, sv);
-      }
-      for (int64_t i = 0; i < L; ++i) {  // -inf where a query does not see the key (the rule reads t, not g)
-        if (plain && (!causal || key_pos[i] <= lo)) continue;  // every query sees it
+      qt.assign(R * Dp, 0.f);
+      for (int64_t r = 0; r < R; ++r) std::copy(qtask + r * D, qtask + r * D + D, qt.data() + r * Dp);
+      // scores [R, Lp]: a query's row holds its score of every key, kLanes keys to a vector
+      scores.resize(R * Lp);
+      scores_of(keys.data(), Lp, qt.data(), R, Dp, D, sc, scores.data());
+      // -inf where a query does not see the key (the rule reads t, not g) and for the padding keys
+      for (int64_t i = 0; i < Lp; ++i) {
+        if (key_pos[i] != unseen && plain && (!causal || key_pos[i] <= lo)) continue;  // every query sees it
         for (int64_t t = 0; t < T; ++t)
-          if (!rule.sees(P[t], key_pos[i]))
-            for (int64_t g = 0; g < G; ++g) scores[i * Rp + g * T + t] = neg_inf;
+          if (key_pos[i] == unseen || !rule.sees(P[t], key_pos[i]))
+            for (int64_t g = 0; g < G; ++g) scores[(g * T + t) * Lp + i] = neg_inf;
       }
-      // softmax down each query's lane: the maximum, then exp and the sum in key order, then the weights
-      for (int64_t u = 0; u < RV; ++u) {
-        float* s = scores.data() + u * kLanes;
-        vec m = vec{} + neg_inf;
-        for (int64_t i = 0; i < L; ++i) {
-          const vec x = load(s + i * Rp);
-          m = x > m ? x : m;
+      // softmax along each query's row: the maximum, exp and a sum per lane in key order (lane l: the keys l, l +
+      // kLanes, ..), the lanes summed in lane order, then the weights. Keys a query does not see weigh exactly 0.
+      for (int64_t r = 0; r < R; ++r) {
+        float* s = scores.data() + r * Lp;
+        vec mv = vec{} + neg_inf;
+        for (int64_t i = 0; i < Lp; i += kLanes) {
+          const vec x = load(s + i);
+          mv = x > mv ? x : mv;
         }
-        m = m == neg_inf ? vec{} : m;  // a query that sees no key: every exp is 0, and so is every weight
-        vec sum{};
-        for (int64_t i = 0; i < L; ++i) {
-          const vec e = exp_nonpositive(load(s + i * Rp) - m);
-          store(s + i * Rp, e);
-          sum += e;
+        float m = neg_inf;
+        for (int l = 0; l < kLanes; ++l) m = std::max(m, mv[l]);
+        m = m == neg_inf ? 0.f : m;  // a query that sees no key: every exp is 0, and so is every weight
+        vec sv{};
+        for (int64_t i = 0; i < Lp; i += kLanes) {
+          const vec e = exp_nonpositive(load(s + i) - m);
+          store(s + i, e);
+          sv += e;
         }
-        const vec inv = sum > 0.f ? 1.f / sum : vec{};
-        for (int64_t i = 0; i < L; ++i) store(s + i * Rp, load(s + i * Rp) * inv);
+        float sum = 0.f;
+        for (int l = 0; l < kLanes; ++l) sum += sv[l];
+        const float inv = sum > 0.f ? 1.f / sum : 0.f;
+        for (int64_t i = 0; i < Lp; i += kLanes) store(s + i, load(s + i) * inv);
       }
       // values: straight into the output rows of the task's queries (contiguous, like the queries)
       float* otask = op + (b * Hq + h * G) * T * D;
       int64_t r = 0;
-      for (; r + 6 <= R; r += 6) value_queries<6>(scores.data() + r, Rp, values.data(), L, D, otask + r * D);
+      for (; r + 3 <= R; r += 3) value_queries<3>(scores.data() + r * Lp, Lp, values.data(), L, D, otask + r * D);
       switch (R - r) {
-        case 5: value_queries<5>(scores.data() + r, Rp, values.data(), L, D, otask + r * D); break;
-        case 4: value_queries<4>(scores.data() + r, Rp, values.data(), L, D, otask + r * D); break;
-        case 3: value_queries<3>(scores.data() + r, Rp, values.data(), L, D, otask + r * D); break;
-        case 2: value_queries<2>(scores.data() + r, Rp, values.data(), L, D, otask + r * D); break;
-        case 1: value_queries<1>(scores.data() + r, Rp, values.data(), L, D, otask + r * D); break;
+        case 2: value_queries<2>(scores.data() + r * Lp, Lp, values.data(), L, D, otask + r * D); break;
+        case 1: value_queries<1>(scores.data() + r * Lp, Lp, values.data(), L, D, otask + r * D); break;
         default: break;
       }
     }

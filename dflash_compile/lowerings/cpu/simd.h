@@ -43,4 +43,18 @@ inline vec fmadd(float a, vec w, vec acc) {
 #endif
 }
 
+// acc + a * w lane by lane, rounded once (the vector form of the one above, same instruction).
+inline vec fmadd(vec a, vec w, vec acc) {
+#if defined(__x86_64__) && (defined(__AVX512F__) || defined(__FMA__))
+  asm("vfmadd231ps %[w], %[a], %[acc]" : [acc] "+v"(acc) : [a] "v"(a), [w] "v"(w));
+  return acc;
+#elif defined(__ARM_FEATURE_FMA)
+  vec r;
+  for (int j = 0; j < kLanes; ++j) r[j] = __builtin_fmaf(a[j], w[j], acc[j]);
+  return r;
+#else
+  return acc + a * w;
+#endif
+}
+
 }  // namespace dflash_simd
