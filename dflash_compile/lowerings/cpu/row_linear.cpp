@@ -188,15 +188,17 @@ at::Tensor row_linear(const at::Tensor& x, const at::Tensor& weight, const std::
                   !(x.requires_grad() || weight.requires_grad() || (bias && bias->requires_grad())),
               "dflash_cpu::row_linear has no derivative: call it under torch.no_grad() (the compiled step does)");
   if (!takes(x, weight, bias)) return at::linear(x, weight, bias);
-  const int64_t K = weight.size(1), N = weight.size(0);
-  const at::Tensor x2 = x.reshape({-1, K}).contiguous();
+  const int64_t K = weight.size(1), N = weight.size(0), rows = x.numel() / K;
+  // x's rows as one [rows, K] matrix; the output made in x's shape at once (no views: a step calls this ~200 times,
+  // and each ATen call costs about a microsecond)
+  const at::Tensor xc = x.is_contiguous() ? x : x.contiguous();
   const at::Tensor packed = packed_for(weight);
-  auto sizes = x.sizes().vec();
+  c10::SmallVector<int64_t, 4> sizes(x.sizes().begin(), x.sizes().end());
   sizes.back() = N;
-  at::Tensor out = at::empty({x2.size(0), N}, x.options());
-  run(x2.size(0), x2.data_ptr<float>(), packed.data_ptr<float>(), bias ? bias->data_ptr<float>() : nullptr,
+  at::Tensor out = at::empty(sizes, x.options());
+  run(rows, xc.data_ptr<float>(), packed.data_ptr<float>(), bias ? bias->data_ptr<float>() : nullptr,
       out.data_ptr<float>(), N, K);
-  return out.view(sizes);
+  return out;
 }
 
 // Packs `weight` now, as its first row_linear call would (any row count the op takes), on the calling thread alone:
