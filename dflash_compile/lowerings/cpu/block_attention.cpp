@@ -12,9 +12,9 @@
 // summed into one vector of kLanes scores (a tree of shuffles and adds, the same for every lane). A query's scores
 // are thus one vector per kLanes keys whatever the number of queries: plain decoding (G * T = 3 queries per KV head
 // on SmolLM2, 2 on the tiny pair) fills every lane, where a layout with the queries across the lanes would fill G * T
-// of them (every key's score, exp and weight computed 8 / 3 times over: 9.6 -> x.x us a task at SmolLM2's shape, 8
-// rows, ~230 keys). Then the softmax along each query's row in fp32 (a vectorised exp), and out = S^T V a few
-// queries by two value vectors at a time. Buffers per worker thread, reused from task to task. A key no query of the
+// of them (every key's score, exp and weight computed 8 / 3 times over; docs/kernels.md has the figures). Then the
+// softmax along each query's row in fp32 (a vectorised exp), and out = S^T V a few queries by four value vectors at a
+// time. Buffers per worker thread, reused from task to task. A key no query of the
 // task sees (a masked position, a context position at or past the row's length, whose page may be unallocated, -1) is
 // never read, so garbage or NaN at unallocated or stale slots cannot reach the output; a key some query sees has
 // weight 0 (exp of -inf) for the queries that do not. A query that sees no key returns zeros. Each query's result is
@@ -76,11 +76,11 @@ inline vec sum_lanes(vec* a) {
   return a[0];
 }
 
-// kLanes dot products scale * (keys[j] . queries[j]) summed into one vector, lane j the j-th: the head dim across
+// kLanes dot products scale * (key . query) summed into one vector, one product a lane: the head dim across
 // the lanes (one chain of fused multiply-adds per lane, in order), then sum_lanes. A score is the same operations
 // whatever its lane, its tile or the queries beside it. Each query holds Dp >= D floats, zeros past D; a head dim that
-// is no multiple of the vector reads the keys' last values into a zeroed vector. Two forms: kLanes keys for one query
-// (keys[j] = first key + j, queries[j] = q), and kLanes / 2 keys for two queries (fewer loads per multiply-add).
+// is no multiple of the vector reads the keys' last values into a zeroed vector. Lane q * NK + j: query q, key j; two
+// forms, kLanes keys for one query and kLanes / 2 keys for two queries (each key vector loaded serves both).
 template <int NK, int NQ>
 inline vec score_tile(const float* const* keys, const float* const* qs, int64_t D, float scale) {
   static_assert(NK * NQ == kLanes, "one lane per (query, key)");
