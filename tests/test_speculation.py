@@ -184,6 +184,25 @@ def test_probes_keep_their_pace_while_speculation_is_close():
         GoodputPolicy(far=1.5)
 
 
+def test_each_bucket_keeps_its_own_k_and_probe_pace():
+    """A queue at 8 rows where speculation does not pay drains to one row where it does, and the next queue starts
+    at 8 rows again: that batch starts at K = 0 (not the K wanted at one row) and keeps its thinned-out probes."""
+    ms = {(0, False): 4.2, (0, True): 13.7, (1, True): 13.3, (2, True): 14.9, (4, True): 18.3, (7, True): 23.4}
+    policy, ks = _policy(0.6, lambda k, p: ms[k, p] / 1e3, max_probe_every=64)  # the tiny pair at batch 8
+    for k in ks:
+        for propose in {k > 0, True}:
+            for _ in range(3):
+                policy.costs.add((1, k, propose, False, context_bin(16)), (1.0 + 0.1 * k + 0.2 * propose) / 1e3)
+    eight = [_Row(_history(0.6)) for _ in range(8)]
+    first = [policy.choose(_view(eight)) for _ in range(200)]
+    assert {p.k for p in first} == {0} and policy.probe_gap == 64  # 16, 32, 64: speculation far from paying
+    one = [policy.choose(_view(eight[:1], bucket=1)) for _ in range(2)]  # the queue's last steps: fewer than dwell
+    assert all(p.k > 0 for p in one) and policy.probe_gap == policy.probe_every  # one row: speculation pays
+    again = [policy.choose(_view(eight)) for _ in range(60)]
+    # K = 0 from the first step, and the next probe 64 plain steps after the last one at 8 rows (step 175 of 200)
+    assert {p.k for p in again} == {0} and [i for i, p in enumerate(again) if p.propose] == [39]
+
+
 # ------------------------------------------------------------------ vLLM's schedule
 def test_batch_size_schedule_follows_vllm():
     s = BatchSizeSchedule({"1-2": 7, "4-8": 2, "16": 0}, 5)

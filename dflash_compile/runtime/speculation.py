@@ -253,6 +253,16 @@ class StepCosts:
                      seconds=self.measured(c)) for c, d in sorted(self.cells.items()) if d]
 
 
+@dataclass
+class _BucketState:
+    """What :class:`GoodputPolicy` keeps per batch bucket."""
+
+    probe_gap: int  # plain steps until the next probe (doubles while speculation is far off)
+    want: int | None = None  # the K it wants
+    since_switch: int = 0  # steps since the wanted K last changed
+    zero_steps: int = 0  # plain steps since the last probe
+
+
 class GoodputPolicy(SpeculationPolicy):
     """``speculation="auto"``: the ``K`` that maximises the batch's expected tokens per second.
 
@@ -263,6 +273,10 @@ class GoodputPolicy(SpeculationPolicy):
     cost of the largest smaller ``K`` timed (a step costs no less with more drafts), infinite when none is — beats
     the best measured one by more than ``margin``: the first step of a bucket calibrates plain decoding, and a ``K``
     that cannot pay even at that bound is never tried.
+
+    The wanted ``K`` and the probes' pace below are kept per batch bucket: what pays at one row says nothing about
+    eight (a queue that drains to one row and explores there must not start the next queue's batch of eight at the
+    ``K`` it wanted at one row, nor reset that batch's probe pace).
 
     No thrashing: the wanted ``K`` changes at most once per ``dwell`` steps (so at most ``100 / dwell`` switches per
     100 steps), and between two timed ``K`` only for a gain above ``margin``. While the batch stays at ``K = 0``,
@@ -282,17 +296,25 @@ class GoodputPolicy(SpeculationPolicy):
             raise ValueError(f"far must be in [0, 1], got {far}")
         self._ks, self.dwell, self.margin, self.probe_every = ks, dwell, margin, probe_every
         self.max_probe_every, self.far = max_probe_every, far
-        self.probe_gap = probe_every  # plain steps until the next probe (doubles while speculation is far off)
         self.prior_weight, self.decay, self.pooled_decay = prior_weight, decay, pooled_decay
         self.block_size = None  # set by ks(), which the wrapper calls first
         self.costs = StepCosts()
         self.pooled: AcceptanceHistory | None = None
-        self._want: int | None = None
-        self._since_switch = 0
-        self._zero_steps = 0
-        self.switches = 0  # changes of the wanted K
+        self._buckets: dict[int, _BucketState] = {}
+        self._bucket: int | None = None  # the bucket of the last step chosen
+        self.switches = 0  # changes of the wanted K, every bucket
         self._checked_ks: tuple[int, ...] = ()
         self.last_goodput: dict[int, float] = {}
+
+    @property
+    def probe_gap(self) -> int:
+        """Plain steps between probes at the bucket of the last step chosen."""
+        return self._state(self._bucket).probe_gap if self._bucket is not None else self.probe_every
+
+    def _state(self, bucket: int) -> _BucketState:
+        if bucket not in self._buckets:
+            self._buckets[bucket] = _BucketState(probe_gap=self.probe_every)
+        return self._buckets[bucket]
 
     def ks(self, block_size: int) -> tuple[int, ...]:
         self.block_size = block_size
@@ -317,7 +339,8 @@ class GoodputPolicy(SpeculationPolicy):
         prior = self.pooled.rates() if self.pooled is not None else None
         rates = [r.acceptance.rates(prior, self.prior_weight) if r.acceptance is not None
                  else (prior or [0.5] * self.block_size) for r in view.rows]
-        ref = self._cell(view, self._want) if self._want is not None else None
+        want = self._state(view.bucket).want
+        ref = self._cell(view, want) if want is not None else None
         out, floor = {}, 0.0
         for k in ks:
             tokens = sum(1.0 + expected_accepted(rt, k) for rt in rates)
@@ -338,27 +361,29 @@ class GoodputPolicy(SpeculationPolicy):
         if measured and not g[best][1]:  # explore an untimed K only for a gain above the margin, even at best
             known = max(measured, key=lambda k: (g[k][0], -k))
             best = best if g[best][0] > g[known][0] * (1.0 + self.margin) else known
-        want = self._want
+        st = self._state(view.bucket)
+        self._bucket = view.bucket
+        want = st.want
         if want is None or want not in g:
-            want, self._since_switch = best, 0
-        elif best != want and self._since_switch >= self.dwell:
+            want, st.since_switch = best, 0
+        elif best != want and st.since_switch >= self.dwell:
             gain_needed = 1.0 + (self.margin if g[best][1] and g[want][1] else 0.0)
             if g[best][0] > g[want][0] * gain_needed:
-                want, self._since_switch = best, 0
+                want, st.since_switch = best, 0
                 self.switches += 1
-        self._since_switch += 1
-        self._want = want
+        st.since_switch += 1
+        st.want = want
         if want == 0:
-            self._zero_steps += 1
-            if self._zero_steps < self.probe_gap:
+            st.zero_steps += 1
+            if st.zero_steps < st.probe_gap:
                 return Plan(0, False)
-            self._zero_steps = 0
+            st.zero_steps = 0
             speculating = max((g[k][0] for k in ks if k > 0), default=0.0)
             far_off = speculating < self.far * g[0][0]
-            self.probe_gap = min(2 * self.probe_gap, self.max_probe_every) if far_off else self.probe_every
+            st.probe_gap = min(2 * st.probe_gap, self.max_probe_every) if far_off else self.probe_every
             return Plan(0, True)
-        self._zero_steps = 0
-        self.probe_gap = self.probe_every
+        st.zero_steps = 0
+        st.probe_gap = self.probe_every
         return Plan(want, True)
 
     def observe(self, view: StepView, k: int, propose: bool, seconds: float | None,
