@@ -70,11 +70,12 @@ inline vec sum_lanes(vec* a) {
   const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
   const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
   return _mm256_permute2f128_ps(u0, u1, 0x20) + _mm256_permute2f128_ps(u0, u1, 0x31);
-#endif
+#else
   const auto half = std::make_index_sequence<kLanes>{};
   for (int n = kLanes; n > 1; n /= 2)
     for (int k = 0; k < n / 2; ++k) a[k] = evens(a[2 * k], a[2 * k + 1], half) + odds(a[2 * k], a[2 * k + 1], half);
   return a[0];
+#endif
 }
 
 // kLanes dot products scale * (key . query) summed into one vector, one product a lane: the head dim across

@@ -29,32 +29,20 @@ inline void store(float* p, vec v) { __builtin_memcpy(p, &v, sizeof(vec)); }
 // same row computed with others; a row's result must not depend on how many rows are computed with it (plain decoding
 // at batch 1 and a verified block read the same values). The intrinsics' types made GCC keep the accumulators in
 // memory; an asm statement keeps them in registers.
-inline vec fmadd(float a, vec w, vec acc) {
-  const vec av = a - vec{};  // a in every lane (a - 0 is a, signed zeros included)
-#if defined(__x86_64__) && (defined(__AVX512F__) || defined(__FMA__))
-  asm("vfmadd231ps %[w], %[a], %[acc]" : [acc] "+v"(acc) : [a] "v"(av), [w] "v"(w));
-  return acc;
-#elif defined(__ARM_FEATURE_FMA)
-  vec r;
-  for (int j = 0; j < kLanes; ++j) r[j] = __builtin_fmaf(a, w[j], acc[j]);  // one fused instruction per lane
-  return r;
-#else
-  return acc + av * w;  // no fused multiply-add in this CPU: nothing for the compiler to fuse either
-#endif
-}
-
-// acc + a * w lane by lane, rounded once (the vector form of the one above, same instruction).
-inline vec fmadd(vec a, vec w, vec acc) {
+inline vec fmadd(vec a, vec w, vec acc) {  // lane by lane: acc + a * w, rounded once
 #if defined(__x86_64__) && (defined(__AVX512F__) || defined(__FMA__))
   asm("vfmadd231ps %[w], %[a], %[acc]" : [acc] "+v"(acc) : [a] "v"(a), [w] "v"(w));
   return acc;
 #elif defined(__ARM_FEATURE_FMA)
   vec r;
-  for (int j = 0; j < kLanes; ++j) r[j] = __builtin_fmaf(a[j], w[j], acc[j]);
+  for (int j = 0; j < kLanes; ++j) r[j] = __builtin_fmaf(a[j], w[j], acc[j]);  // one fused instruction per lane
   return r;
 #else
-  return acc + a * w;
+  return acc + a * w;  // no fused multiply-add in this CPU: nothing for the compiler to fuse either
 #endif
 }
+
+// The same with a in every lane (a - 0 is a, signed zeros included).
+inline vec fmadd(float a, vec w, vec acc) { return fmadd(a - vec{}, w, acc); }
 
 }  // namespace dflash_simd
