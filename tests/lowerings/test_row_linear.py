@@ -74,6 +74,53 @@ def test_the_kernels_run_on_the_threads_torch_is_given():
         torch.set_num_threads(threads)
 
 
+def _dequantised(kind: str, n: int, k: int, seed: int) -> torch.Tensor:
+    """An [n, k] fp32 weight as transformers loads a GGUF file of that quantisation: quantised by the gguf package,
+    then dequantised."""
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    qtype = getattr(gguf.GGMLQuantizationType, kind)
+    w = np.random.default_rng(seed).standard_normal((n, k), dtype=np.float32) * 0.05
+    return torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(w, qtype), qtype).reshape(n, k).copy())
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+def test_a_weight_dequantised_from_block_codes_is_read_as_codes_with_the_fp32_forms_results(kind):
+    """Such a weight is packed as int8 codes with a scale and offset per block (1.25 bytes a value) for calls of up
+    to 4 rows, and the fp32 form for more; the codes are turned back into the same fp32 values, so every row's
+    result is bit for bit what the fp32 form gives, whatever the row count."""
+    w = _dequantised(kind, 70, 96, seed=len(kind))
+    plain = w.clone()
+    plain[0, 5] = torch.nextafter(plain[0, 5], torch.tensor(1.0))  # one value off the codes: the fp32 form only
+    g = torch.Generator().manual_seed(7)
+    x, b = torch.randn(9, 96, generator=g), torch.randn(70, generator=g)
+    whole = _op(x, w, b)  # 9 rows: the fp32 form
+    assert torch.ops.dflash_cpu.row_linear_packed_form(w) == "fp32"
+    for rows in (1, 2, 3, 4):
+        ours = _op(x[:rows], w, b)
+        assert torch.equal(ours, whole[:rows]), rows
+        assert torch.equal(ours[:, 1:], _op(x[:rows], plain, b)[:, 1:]), rows  # rows 1.. of both weights are equal
+        _check_close(x[:rows], w, b)
+    assert torch.ops.dflash_cpu.row_linear_packed_form(w) == "codes fp32"
+    assert torch.ops.dflash_cpu.row_linear_packed_form(plain) == "fp32"
+
+
+def test_codes_can_be_switched_off_and_follow_the_weight(monkeypatch):
+    w = _dequantised("Q4_1", 40, 64, seed=1)
+    x = torch.randn(2, 64)
+    monkeypatch.setenv("DFLASH_ROW_LINEAR_CODES", "0")
+    off = _op(x, w)
+    assert torch.ops.dflash_cpu.row_linear_packed_form(w) == "fp32"
+    monkeypatch.delenv("DFLASH_ROW_LINEAR_CODES")
+    w2 = w.clone()
+    assert torch.equal(_op(x, w2), off) and torch.ops.dflash_cpu.row_linear_packed_form(w2) == "codes"
+    with torch.no_grad():
+        w2[3, 0] = 0.123456789  # in place: repacked, and that value fits no block code
+    _check_close(x, w2)
+    assert torch.ops.dflash_cpu.row_linear_packed_form(w2) == "fp32"
+
+
 def test_outside_its_range_it_is_at_linear_bit_for_bit():
     g = torch.Generator().manual_seed(1)
     w = torch.randn(64, 32, generator=g)
@@ -160,6 +207,17 @@ def test_the_avx2_form_equals_linear_too():
                     ours = (torch.ops.dflash_cpu.row_linear(x, w, b).double() - ref).abs().max().item()
                 mkl = (F.linear(x, w, b).double() - ref).abs().max().item()
                 assert ours <= 4 * mkl + 1e-5 * ref.abs().max().item(), (rows, n, k, ours, mkl)
+        # a weight in block codes (a row's block is d * q, q in [-127, 127]): up to 4 rows read the codes
+        d = torch.rand(48, 3, 1, generator=g).half().float()
+        q = torch.randint(-127, 128, (48, 3, 32), generator=g)
+        q[..., 0] = 127  # each block's largest magnitude, as a quantiser writes it
+        w = (q * d).reshape(48, 96)
+        x = torch.randn(8, 96, generator=g)
+        with torch.no_grad():
+            whole = torch.ops.dflash_cpu.row_linear(x, w, None)
+            for rows in (1, 2, 3, 4):
+                assert torch.equal(torch.ops.dflash_cpu.row_linear(x[:rows], w, None), whole[:rows])
+        assert torch.ops.dflash_cpu.row_linear_packed_form(w) == "codes fp32"
         print("ok")
     """)
     env = dict(os.environ, DFLASH_ROW_LINEAR_CFLAGS="-mno-avx512f")
