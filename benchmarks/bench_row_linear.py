@@ -5,6 +5,8 @@
 1. The op alone: every linear of SmolLM2-135M-Instruct's 30 layers and its vocabulary projection, each with
    weights of its own (538 MB: streamed from memory, as in a step), random values, one call of each per pass; the
    median over ``--repeats`` passes of ``dflash_cpu.row_linear`` and of ``F.linear``, interleaved, per row count.
+   A third column: the op on the same weights made GGUF-valued (quantised as the real file is, Q4_1 layers and a
+   Q8_0 head, and dequantised to fp32 as transformers loads it), which it reads as block codes up to 4 rows.
 2. The default pair's compiled step (SmolLM2 and its drafter, batch 1, a 128-token prompt): compiled with the
    kernel and with ``DFLASH_ROW_LINEAR=0`` (``aten.linear`` kept), each K timed through the same graphs, the two
    wrappers interleaved; ms per step, median of ``--repeats``.
@@ -25,6 +27,20 @@ import torch
 SHAPES = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]  # q k v o gate up down
 
 
+def _as_gguf(weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The same weights as the GGUF file of SmolLM2-135M-Instruct holds such values, as transformers loads them:
+    each layer's linears quantised to Q4_1 and the vocabulary projection to Q8_0 by the gguf package, then
+    dequantised to fp32 (row_linear reads such weights as block codes for up to 4 rows)."""
+    import gguf
+
+    out = []
+    for w in weights:
+        kind = gguf.GGMLQuantizationType.Q8_0 if w.shape[0] == 49152 else gguf.GGMLQuantizationType.Q4_1
+        q = gguf.quants.quantize(w.numpy(), kind)
+        out.append(torch.from_numpy(gguf.quants.dequantize(q, kind).reshape(w.shape).copy()))
+    return out
+
+
 def op_table(rows: list[int], repeats: int) -> list[dict]:
     from dflash_compile.lowerings.cpu import row_linear
 
@@ -33,6 +49,7 @@ def op_table(rows: list[int], repeats: int) -> list[dict]:
     g = torch.Generator().manual_seed(0)
     weights = [torch.randn(n, k, generator=g) for _ in range(30) for n, k in SHAPES]
     weights.append(torch.randn(49152, 576, generator=g))
+    coded = _as_gguf(weights)
     out = []
     for m in rows:
         xs = {k: torch.randn(m, k, generator=g) for k in (576, 1536)}
@@ -43,17 +60,26 @@ def op_table(rows: list[int], repeats: int) -> list[dict]:
                 fn(xs[w.shape[1]], w)
             return time.perf_counter() - t0
 
-        times = {"mkl": [], "row_linear": []}
-        one_pass(torch.nn.functional.linear), one_pass(op)  # warm-up
+        def coded_pass():
+            t0 = time.perf_counter()
+            for w in coded:
+                op(xs[w.shape[1]], w)
+            return time.perf_counter() - t0
+
+        times = {"mkl": [], "row_linear": [], "row_linear_gguf": []}
+        one_pass(torch.nn.functional.linear), one_pass(op), coded_pass()  # warm-up (and packing)
         for _ in range(repeats):
             times["mkl"].append(one_pass(torch.nn.functional.linear))
             times["row_linear"].append(one_pass(op))
+            times["row_linear_gguf"].append(coded_pass())
         err = max((op(xs[w.shape[1]], w) - torch.nn.functional.linear(xs[w.shape[1]], w)).abs().max().item()
                   for w in weights[:7] + weights[-1:])
         r = {"rows": m, **{k: statistics.median(v) * 1e3 for k, v in times.items()}, "max_abs_diff": err}
         r["speedup"] = r["mkl"] / r["row_linear"]
+        r["gguf_forms"] = sorted({torch.ops.dflash_cpu.row_linear_packed_form(w) for w in coded})
         print(f"rows {m:2d}: MKL {r['mkl']:.1f} ms, row_linear {r['row_linear']:.1f} ms ({r['speedup']:.2f}x), "
-              f"max |diff| {err:.1e}", flush=True)
+              f"GGUF-valued weights {r['row_linear_gguf']:.1f} ms ({r['gguf_forms']}), max |diff| {err:.1e}",
+              flush=True)
         out.append(r)
     return out
 
@@ -132,9 +158,11 @@ def markdown(result: dict) -> str:
              "passes.",
              "", ("Every linear of SmolLM2-135M-Instruct (30 layers and the vocabulary projection, 538 MB, random "
                   "weights, streamed from memory), ms per pass:"), "",
-             "| rows | MKL (`F.linear`) | `row_linear` | speed-up | max abs diff |", "|---|---|---|---|---|"]
+             "| rows | MKL (`F.linear`) | `row_linear` | speed-up | max abs diff | `row_linear`, the same weights "
+             "GGUF-valued (Q4_1 layers, Q8_0 head) | forms packed |", "|---|---|---|---|---|---|---|"]
     lines += [f"| {r['rows']} | {r['mkl']:.1f} | {r['row_linear']:.1f} | {r['speedup']:.2f}x | "
-              f"{r['max_abs_diff']:.1e} |" for r in result["op"]]
+              f"{r['max_abs_diff']:.1e} | {r['row_linear_gguf']:.1f} | {', '.join(r['gguf_forms'])} |"
+              for r in result["op"]]
     if "step" in result:
         lines += ["", "The default pair's compiled step, batch 1, 128-token prompt, ms per step:", "",
                   "| K | `row_linear` | `aten.linear` (`DFLASH_ROW_LINEAR=0`) | speed-up |", "|---|---|---|---|"]
