@@ -48,6 +48,26 @@ def test_real_target_is_the_gguf_model(real_target):
     assert tok.eos_token == "<|im_end|>" and "<|im_start|>assistant" in tok.chat_template
 
 
+def test_real_targets_linears_are_read_as_the_files_block_codes(real_target):
+    """Every linear of the GGUF model (Q4_1 layers, the Q8_0 embedding as its head) is found to be block codes by the
+    CPU kernel, and a row through the codes gives what it gives through the fp32 copy, bit for bit."""
+    from dflash_compile.lowerings.cpu import row_linear
+
+    if not row_linear.load():
+        pytest.skip("the CPU kernels cannot be built here")
+    _, target = real_target
+    linears = [m for m in target.modules() if isinstance(m, torch.nn.Linear)]
+    assert len(linears) == 211
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for m in linears:
+            x = torch.randn(5, m.in_features, generator=g)
+            five = torch.ops.dflash_cpu.row_linear(x, m.weight, m.bias)  # 5 rows: the fp32 copy
+            one = torch.ops.dflash_cpu.row_linear(x[:1], m.weight, m.bias)  # 1 row: the codes
+            assert torch.equal(one, five[:1])
+            assert torch.ops.dflash_cpu.row_linear_packed_form(m.weight) == "codes fp32"
+
+
 def _identical(target, spec, prompts, max_new=MAX_NEW):
     stats = []
     for ids in prompts:

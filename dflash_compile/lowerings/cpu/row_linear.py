@@ -11,9 +11,13 @@ be built (no compiler, a build error) it says why once in the log and returns Fa
 The op computes ``F.linear(x, weight, bias)``. For fp32 CPU inputs with ``MIN_ROWS`` to ``MAX_ROWS`` rows (``x``'s
 leading dimensions flattened) it streams a packed copy of the weight once and multiplies each loaded vector by every
 input row, in fp32 with another summation order than MKL's (equal to rounding, not bit for bit; a row's result does
-not depend on the thread count or on the other rows); anything else goes to ``at::linear`` itself. Memory: the
-packed copy of each weight it has multiplied, as large as the weight, kept while the weight lives and made again
-when the weight changes in place (``packed_weights()`` reports them).
+not depend on the thread count or on the other rows); anything else goes to ``at::linear`` itself. A weight whose
+values are exactly block-quantised ones (a model loaded from a GGUF file of type Q8_0, Q4_0, Q4_1, Q5_0 or Q5_1) is
+read by calls of up to 4 rows from a second copy, int8 codes with a scale and offset per block of 32 (the same fp32
+values rebuilt in registers, so the same results, from a third of the bytes); ``DFLASH_ROW_LINEAR_CODES=0`` turns
+that off. Memory: the packed copy of each weight it has multiplied, as large as the weight, and the codes copy
+(0.31x) of such a weight, kept while the weight lives and made again when the weight changes in place
+(``packed_weights()`` reports them, ``torch.ops.dflash_cpu.row_linear_packed_form(w)`` says which a weight has).
 """
 
 from __future__ import annotations
@@ -111,7 +115,7 @@ def packed_weights() -> tuple[int, int]:
 
 def prepack(*modules: torch.nn.Module) -> threading.Thread | None:
     """Pack, on a helper thread, the weight of every ``nn.Linear`` in ``modules`` that the op takes (fp32, CPU,
-    contiguous), as each one's first call would: the graphs of a step call the op with the parameters themselves, so
+    contiguous), in both forms (the codes form when the weight has one), as its first calls would: the graphs of a step call the op with the parameters themselves, so
     the copies are found there, and a warm start's first step does not pack every weight itself (SmolLM2-135M's
     538 MB: ~0.45 s of the first step). The op runs without the GIL and packs on the helper thread alone, so this
     overlaps the loading of the saved graphs (Python). A weight the step packs first is not packed twice (the op's
