@@ -65,11 +65,12 @@ constexpr int kPanels = 3;    // 4 x 3 accumulators, 3 weight vectors and a broa
 //   block of kCodeBlock values along K of a row (fp32, one rounding): a weight dequantised from a block-quantised
 //   file is (GGUF's Q8_0, Q4_0, Q5_0: d * q, signed codes; Q4_1, Q5_1: d * q + m, codes from 0; the product is exact
 //   in fp32, so one rounding either way), and transformers loads a GGUF file as such fp32 values. Not found: the
-//   K-quants (Q4_K, Q6_K, ...), whose block scale is an fp16 times a 6-bit integer, not an fp16. Per panel and block: d[kLanes], m[kLanes] (floats), then q[kCodeBlock][kLanes]
-//   (int8): 1.25 bytes a value instead of 4. The kernel turns a block back into the same fp32 values, bit for bit,
-//   before it multiplies them: results are those of the fp32 form, the weights stream from memory at a third of the
-//   bytes. Found at packing, by trying the scales such a file would hold and checking every value; one value that
-//   does not fit keeps the fp32 form for the whole weight. DFLASH_ROW_LINEAR_CODES=0 keeps every weight in fp32.
+//   K-quants (Q4_K, Q6_K, ...), whose block scale is an fp16 times a 6-bit integer, not an fp16. Per panel and
+//   block: d[kLanes], m[kLanes] (floats), then q[kCodeBlock][kLanes] (int8): 1.25 bytes a value instead of 4. The
+//   kernel turns a block back into the same fp32 values, bit for bit, before it multiplies them: results are those
+//   of the fp32 form, the weights stream from memory at a third of the bytes. Found at packing, by trying the scales
+//   such a file would hold and checking every value; one value that does not fit keeps the fp32 form for the whole
+//   weight. DFLASH_ROW_LINEAR_CODES=0 keeps every weight in fp32.
 constexpr int64_t kCodeBlock = 32;
 constexpr int64_t kCodesMaxRows = 4;  // more rows: the fp32 form (decoding costs more than the bytes it saves there)
 constexpr int64_t kCodeBytes = kLanes * (2 * sizeof(float) + kCodeBlock);  // a panel's block: d, m, codes
@@ -288,9 +289,9 @@ inline vec code_floats(const int8_t* c) {
   return v;
 }
 
-// part[m * kPanels + q] += x[m][0:kCodeBlock) . panel q's block of codes, decoded in registers as decode does: for
-// one or two rows, where decoding into a buffer and reading it back would cost more than the multiply-adds.
-// blk: panel 0's block; panel q's at blk + q * stride.
+// part[m * kPanels + q] += x[m][0:kCodeBlock) . panel q's block of codes for MC (<= kCodesMaxRows) rows, each
+// weight vector decoded in registers (fma(q, d, m), rounded once, as encode checked) right before its multiply-adds,
+// in the fp32 form's order. blk: panel 0's block; panel q's at blk + q * stride.
 template <int MC, int NP>
 void accumulate_codes(const float* x, int64_t xs, const uint8_t* blk, int64_t stride, vec* part) {
   vec acc[MC][NP], d[NP], m[NP];
