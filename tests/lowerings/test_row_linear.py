@@ -85,16 +85,17 @@ def _dequantised(kind: str, n: int, k: int, seed: int) -> torch.Tensor:
     return torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(w, qtype), qtype).reshape(n, k).copy())
 
 
+@pytest.mark.parametrize("n", [70, 86])  # the last group of panels whole or not, with 8 lanes and with 16
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
-def test_a_weight_dequantised_from_block_codes_is_read_as_codes_with_the_fp32_forms_results(kind):
+def test_a_weight_dequantised_from_block_codes_is_read_as_codes_with_the_fp32_forms_results(kind, n):
     """Such a weight is packed as int8 codes with a scale and offset per block (1.25 bytes a value) for calls of up
     to 4 rows, and the fp32 form for more; the codes are turned back into the same fp32 values, so every row's
     result is bit for bit what the fp32 form gives, whatever the row count."""
-    w = _dequantised(kind, 70, 96, seed=len(kind))
+    w = _dequantised(kind, n, 96, seed=len(kind) + n)
     plain = w.clone()
     plain[0, 5] = torch.nextafter(plain[0, 5], torch.tensor(1.0))  # one value off the codes: the fp32 form only
     g = torch.Generator().manual_seed(7)
-    x, b = torch.randn(9, 96, generator=g), torch.randn(70, generator=g)
+    x, b = torch.randn(9, 96, generator=g), torch.randn(n, generator=g)
     whole = _op(x, w, b)  # 9 rows: the fp32 form
     assert torch.ops.dflash_cpu.row_linear_packed_form(w) == "fp32"
     for rows in (1, 2, 3, 4):
