@@ -194,14 +194,20 @@ struct Packed {
 std::mutex cache_mutex;
 std::map<std::tuple<const void*, int64_t, int64_t, bool>, Packed> cache;
 
+// `weight`'s entry of one form, if it is there and still made from the weight as it is (call with the lock held).
+const Packed* cached(const at::Tensor& weight, bool codes) {
+  const auto it =
+      cache.find(std::make_tuple(static_cast<const void*>(weight.data_ptr()), weight.size(0), weight.size(1), codes));
+  return it != cache.end() && !it->second.storage.expired() && it->second.version == weight._version() ? &it->second
+                                                                                                      : nullptr;
+}
+
 // `weight`'s packed copy in the codes form (undefined when it has none) or the fp32 form, made now if need be.
 at::Tensor packed_for(const at::Tensor& weight, bool codes, bool parallel = true) {
   std::lock_guard<std::mutex> lock(cache_mutex);
+  if (const Packed* hit = cached(weight, codes)) return hit->packed;
   const auto key = std::make_tuple(static_cast<const void*>(weight.data_ptr()), weight.size(0), weight.size(1), codes);
   const int64_t version = weight._version();
-  auto it = cache.find(key);
-  if (it != cache.end() && !it->second.storage.expired() && it->second.version == version)
-    return it->second.packed;
   for (auto e = cache.begin(); e != cache.end();) e = e->second.storage.expired() ? cache.erase(e) : std::next(e);
   Packed entry{weight.storage().getWeakStorageImpl(), version,
                codes ? pack_codes(weight, parallel) : pack(weight, parallel)};
@@ -440,13 +446,9 @@ int64_t parallel_workers(int64_t tasks) {
 std::string packed_form(const at::Tensor& weight) {
   std::lock_guard<std::mutex> lock(cache_mutex);
   std::string forms;
-  for (const bool codes : {true, false}) {
-    const auto it = cache.find(
-        std::make_tuple(static_cast<const void*>(weight.data_ptr()), weight.size(0), weight.size(1), codes));
-    if (it != cache.end() && !it->second.storage.expired() && it->second.version == weight._version() &&
-        it->second.packed.defined())
+  for (const bool codes : {true, false})
+    if (const Packed* hit = cached(weight, codes); hit && hit->packed.defined())
       forms += forms.empty() ? "" : " ", forms += codes ? "codes" : "fp32";
-  }
   return forms;
 }
 
