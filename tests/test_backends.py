@@ -156,6 +156,34 @@ def test_repeated_target_layers_compile_as_one_region_with_the_passes_inside():
     assert all(len(n.args) == len(calls[0].args) for n in calls)
 
 
+def test_graphs_with_regions_run_without_inductors_size_asserts():
+    """A CPU graph that calls nested compile regions keeps Inductor's Python wrapper; its ``assert_size_stride``
+    calls on every input and extern output (~18 a decoder layer) are off (dynamo's guards check the inputs; the
+    kernels' fake implementations are checked by ``tests/lowerings/test_fake_impls.py``), and ``options`` turns
+    them back on. The results are the eager function's either way."""
+    from torch._inductor.utils import run_and_get_code
+
+    @torch.compiler.nested_compile_region
+    def layer(x, w):
+        return torch.relu(x @ w) + x
+
+    def f(x, ws):
+        for w in ws:
+            x = layer(x, w)
+        return x.sum(-1)
+
+    x, ws = torch.randn(4, 16), [torch.randn(16, 16) for _ in range(3)]
+    asserts = {}
+    for options in (None, {"size_asserts": True}):
+        torch._dynamo.reset()
+        with torch._inductor.config.patch(fx_graph_cache=False):
+            out, code = run_and_get_code(torch.compile(f, backend="dflash", options=options), x, ws)
+        torch.testing.assert_close(out, f(x, ws))
+        assert len(code) == 1 and "invoke_subgraph" in code[0]
+        asserts[bool(options)] = code[0].count("assert_size_stride(")
+    assert asserts[False] == 0 and asserts[True] >= 3
+
+
 def test_tensor_subclass_inputs_compile_over_their_plain_parts():
     """A graph whose inputs are tensor subclasses (a tensor-parallel target's DTensor parameters; here torch's
     ``TwoTensor``, whose ops apply to both of its parts) is retraced over the parts: the graph holds only plain
