@@ -416,8 +416,8 @@ def run(args) -> dict:
         "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "target": _short(str(target_dir)),  # relative to the repo when inside it: no machine paths in results
-        "draft": _short(str(draft_dir)),
+        "target": shown_path(str(target_dir)),  # relative to the repo when inside it: no machine paths in results
+        "draft": shown_path(str(draft_dir)),
         "num_prompts": len(texts),
         "max_new_tokens": args.max_new,
         "repeats": args.repeats,
@@ -432,10 +432,14 @@ def run(args) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- report
-def _short(path: str) -> str:
-    root = Path(__file__).resolve().parents[1]
+def shown_path(path) -> str:
+    """A path as a report shows it: relative to the repository when inside it (no machine's paths in results),
+    else relative to the user's cache folder, else its name."""
     p = Path(path).resolve()
-    return str(p.relative_to(root)) if p.is_relative_to(root) else str(p)
+    for root, label in ((Path(__file__).resolve().parents[1], ""), (Path.home() / ".cache", "~/.cache/")):
+        if p.is_relative_to(root):
+            return label + str(p.relative_to(root))
+    return p.name
 
 
 def write(report: dict, out: Path) -> None:
@@ -448,7 +452,7 @@ def write(report: dict, out: Path) -> None:
         f"{', in the chat template' if report.get('chat_template') else ''}), greedy, up to {report['max_new_tokens']} new tokens, median of "
         f"{report['repeats']} interleaved rounds (every method once per round) after one warm-up pass of each; "
         f"{report['machine']}, torch {report['torch']}, "
-        f"transformers {report['transformers']}. Target {_short(report['target'])}, drafter {_short(report['draft'])}. "
+        f"transformers {report['transformers']}. Target {shown_path(report['target'])}, drafter {shown_path(report['draft'])}. "
         f"Batch b: the prompts in groups of up to b. hf_compiled: static cache, "
         f"max_cache_len={report['hf_compiled_max_cache_len']}.",
         "",

@@ -105,6 +105,7 @@ def main(argv=None) -> None:
     p.add_argument("--max-new", type=int, default=128)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--name", default=None, help="results file stem (default bench_revisions-<pair>)")
+    p.add_argument("--overwrite", action="store_true", help="replace results of that name (refused otherwise)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--tree", help=argparse.SUPPRESS)
     p.add_argument("--batch", type=int, help=argparse.SUPPRESS)
@@ -114,6 +115,9 @@ def main(argv=None) -> None:
         return worker(args)
     if not args.base:
         p.error("--base is required")
+    out = REPO / "benchmarks" / "results" / (args.name or f"bench_revisions-{args.pair}")
+    if out.with_suffix(".md").exists() and not args.overwrite:  # said now, not after the run
+        p.error(f"{out.with_suffix('.md').relative_to(REPO)} exists: another --name, or --overwrite")
     cases = [tuple(int(x) for x in c.split(":")) for c in args.cases]
     trees = [checkout(args.base), checkout(args.head)]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
@@ -139,8 +143,11 @@ def main(argv=None) -> None:
         base, head = ({n: statistics.median(x[n] for x in runs[(label, b, k)]) for n in runs[(label, b, k)][0]}
                       for label, _ in trees)
         rows.append({"batch": b, "k": k, "base": base, "head": head})
-    lines = [f"`python benchmarks/bench_revisions.py --base {args.base} --pair {args.pair} --cases {' '.join(args.cases)} "
-             f"--rounds {args.rounds} --max-new {args.max_new}`: base {trees[0][0]}, head {trees[1][0]}, "
+    head = f" --head {args.head}" if args.head else ""
+    name = f" --name {args.name}" if args.name else ""
+    lines = [f"`python benchmarks/bench_revisions.py --base {args.base}{head} --pair {args.pair} --cases "
+             f"{' '.join(args.cases)} --rounds {args.rounds} --max-new {args.max_new} --threads {args.threads}{name}`: "
+             f"base {trees[0][0]}, head {trees[1][0]}, "
              f"{args.threads} thread(s), median of {args.rounds} rounds", "",
              "| batch | K | tok/s base | tok/s head | speed-up | step ms base | step ms head | prefill ms base | "
              "prefill ms head | host ms/step base | host ms/step head |", "|---" * 11 + "|"]
@@ -151,7 +158,6 @@ def main(argv=None) -> None:
                      f"{h['prefill_ms']:.0f} | {a['host_ms']:.2f} | {h['host_ms']:.2f} |")
     table = "\n".join(lines) + "\n"
     print(table)
-    out = REPO / "benchmarks" / "results" / (args.name or f"bench_revisions-{args.pair}")
     out.with_suffix(".json").write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if v is not None},
                                                     "trees": [t[0] for t in trees], "rows": rows}, indent=1))
     out.with_suffix(".md").write_text(table)

@@ -48,7 +48,7 @@ import transformers  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from bench_batch import Bench, _new_tokens  # noqa: E402  (benchmarks/bench_batch.py)
-from bench_humaneval import benchmark_prompts  # noqa: E402
+from bench_humaneval import benchmark_prompts, shown_path  # noqa: E402
 from dflash_compile import DFlashDraftModel  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -131,16 +131,6 @@ class VllmEngine:
         self.log.close()
 
 
-def _shown(path) -> str:
-    """A path as the report shows it: relative to the repository when inside it (no machine's paths in results),
-    else relative to the user's cache folder, else its name."""
-    p = Path(path).resolve()
-    for root, label in ((REPO, ""), (Path.home() / ".cache", "~/.cache/")):
-        if p.is_relative_to(root):
-            return label + str(p.relative_to(root))
-    return p.name
-
-
 # ---------------------------------------------------------------------------------------------- main loop
 def _choices(args) -> tuple[Path, Path, list[str], list[int], list[int]]:
     """``(target_dir, draft_dir, methods, batch sizes, thread counts)`` from the command line."""
@@ -175,8 +165,8 @@ def run(args) -> dict:
     reference = [_new_tokens(target.generate(torch.tensor([p]), **hf.gen)[0, len(p):].tolist(), hf.eos)
                  for p in prompts]
     results = {"machine": f"{platform.machine()}, torch {torch.__version__}, transformers {transformers.__version__}",
-               "vllm": VLLM, "pair": [_shown(target_dir), _shown(draft_dir)],
-               "args": {k: _shown(v) if isinstance(v, str) and os.path.isabs(v) else v for k, v in vars(args).items()},
+               "vllm": VLLM, "pair": [shown_path(target_dir), shown_path(draft_dir)],
+               "args": {k: shown_path(v) if isinstance(v, str) and os.path.isabs(v) else v for k, v in vars(args).items()},
                "rows": [],
                "vllm_start_s": {}}
     venv = Path(args.vllm_venv)
