@@ -1,12 +1,17 @@
-"""Inductor's C++ build options for the CPU step: the compile time and the step time they give.
+"""Inductor's options for the CPU step: the compile time and the step time they give, side by side.
 
-    python benchmarks/bench_cpu_options.py [--batches 1 8] [--context 500] [--repeats 7]
+    python benchmarks/bench_cpu_options.py [--set build|asserts] [--batches 1 8] [--k 7] [--context 500] [--repeats 7]
 
-The shipped pair, one CPU thread. Compiles the step of each batch size twice, each into an empty compile cache:
-with the C++ wrapper built as one translation unit with a precompiled header (Inductor's defaults with
-``cpp_wrapper``), and as the ``dflash`` backend builds it (``backends.CPU_INDUCTOR_OPTIONS``: wrapper and kernels
-as two units compiled in parallel, no precompiled header). Prints each compile's seconds and the median step time
-over ``--repeats`` rounds of 20 calls, the two interleaved.
+The shipped pair, one CPU thread, ``speculation="fixed"`` at ``--k`` (a plain step, no proposal, at 0). Compiles the
+step of each batch size once per variant of the ``--set``, each into an empty compile cache, prints each compile's
+seconds and the median step time over ``--repeats`` rounds of 20 calls, the variants interleaved. Sets:
+
+- ``build``: the C++ wrapper built as one translation unit with a precompiled header (Inductor's defaults with
+  ``cpp_wrapper``), against the ``dflash`` backend's build (``backends.CPU_INDUCTOR_OPTIONS``: wrapper and kernels
+  as two units compiled in parallel, no precompiled header). Graphs without nested compile regions (the target's
+  layers inline: ``regions=False``).
+- ``asserts``: a graph with regions (Python wrapper) with Inductor's size, stride and scalar asserts on, against
+  the backend's default without them (``backends.REGION_CPU_INDUCTOR_OPTIONS``).
 """
 
 from __future__ import annotations
@@ -19,52 +24,56 @@ import time
 import torch
 
 from _harness import load_pair
+from bench_step import step_inputs
 from dflash_compile import DFlashSpecWrapper
-from dflash_compile.runtime.compiled_steps import CompiledSteps
-from dflash_compile.runtime.generation import resolve_generation_args
 
-VARIANTS = {
-    "one unit, precompiled header": {"cpp_wrapper_build_separate": False, "cpp_cache_precompile_headers": True},
-    "dflash (two units, no header)": {},
+SETS = {
+    "build": ({"one unit, precompiled header": {"cpp_wrapper_build_separate": False,
+                                                "cpp_cache_precompile_headers": True},
+               "dflash (two units, no header)": {}}, False),
+    "asserts": ({"with size and scalar asserts": {"size_asserts": True, "scalar_asserts": True},
+                 "dflash (without them)": {}}, True),
 }
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--set", choices=sorted(SETS), default="build")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--k", type=int, default=None, help="the fixed K (default: the drafter's block size - 1)")
     p.add_argument("--context", type=int, default=500)
     p.add_argument("--repeats", type=int, default=7)
     args = p.parse_args()
     torch.set_num_threads(1)
     target, draft = load_pair()
-    spec = DFlashSpecWrapper(target, draft, speculation="fixed", max_batch_size=max(args.batches),
-                             max_seq_len=2048)
-    steps = {name: CompiledSteps(spec, "dflash", cache_dir=tempfile.mkdtemp(), options=options)
-             for name, options in VARIANTS.items()}
-    g = torch.Generator().manual_seed(0)
+    k = draft.block_size - 1 if args.k is None else args.k
+    variants, regions = SETS[args.set]
     for batch in args.batches:
-        spec.scheduler = type(spec.scheduler)(spec)
-        spec.compiled_steps = next(iter(steps.values()))  # compiled: pools at capacity
-        prompts = [torch.randint(10, 1000, (args.context,), generator=g).tolist() for _ in range(batch)]
-        gen = resolve_generation_args(target, args.context, {"max_new_tokens": 8})
-        bucket, inputs = spec.scheduler.prefill_batch(prompts, gen)
-        keys = {}
-        for name, s in steps.items():
-            keys[name] = s.key(bucket, inputs[2].shape[1], False, spec.verify_len)
-            how, seconds = s.prepare(keys[name], inputs, {})
-            print(f"batch {batch}, {name}: {how} in {seconds:.1f} s", flush=True)
-        times = {name: [] for name in steps}
+        specs = {}
+        for name, options in variants.items():
+            spec = DFlashSpecWrapper(target, draft, k, speculation="fixed", max_batch_size=batch,
+                                     batch_buckets=(batch,), max_seq_len=2048)
+            spec.compile(backend="dflash", cache_dir=tempfile.mkdtemp(), options=options, regions=regions)
+            inputs = step_inputs(spec, batch, args.context)
+            start = time.perf_counter()
+            with torch.no_grad():
+                spec.step(*inputs, propose=k > 0)
+            print(f"batch {batch}, K {k}, {name}: first step (compile included) in {time.perf_counter() - start:.1f} s",
+                  flush=True)
+            specs[name] = (spec, inputs)
+        times = {name: [] for name in specs}
         with torch.no_grad():
-            for name, s in steps.items():
-                s.run(keys[name], inputs, {})
+            for spec, inputs in specs.values():
+                for _ in range(3):
+                    spec.step(*inputs, propose=k > 0)
             for _ in range(args.repeats):
-                for name, s in steps.items():
+                for name, (spec, inputs) in specs.items():
                     start = time.perf_counter()
                     for _ in range(20):
-                        s.run(keys[name], inputs, {})
+                        spec.step(*inputs, propose=k > 0)
                     times[name].append((time.perf_counter() - start) / 20 * 1e3)
-        print(f"batch {batch}, step ms: " + ", ".join(f"{n} {statistics.median(t):.3f}" for n, t in times.items()),
-              flush=True)
+        print(f"batch {batch}, K {k}, step ms (median of {args.repeats} rounds of 20 calls): "
+              + ", ".join(f"{n} {statistics.median(t):.3f}" for n, t in times.items()), flush=True)
 
 
 if __name__ == "__main__":

@@ -108,8 +108,10 @@ def main(argv=None) -> int:
                      attention_mask=torch.ones_like(ids))
 
     capacity = ids.shape[1] + n + 2 * draft.block_size
-    # One request at a time on the shipped pair, the whole block pays at every step (benchmarks/bench_batch.py): a
-    # fixed K keeps the demo at one step graph; speculation="auto", the default, compiles one per K it may choose.
+    # A fixed K = block - 1 drafts at every step, so the demo shows each draft position's acceptance, from one step
+    # graph. speculation="auto", the default, chooses K per step from the measured step costs and acceptance, with
+    # two graphs at batch 1 (plain, and one for every K); with this drafter it decodes plainly on this CPU, faster
+    # but with nothing to show here (docs/benchmarks.md).
     spec = DFlashSpecWrapper(target, draft, draft.block_size - 1, max_batch_size=1, max_seq_len=capacity)
     if args.backend == "dflash":
         spec.compile(backend="dflash", cache_dir=CACHE_DIR)
