@@ -3,8 +3,9 @@
     python benchmarks/bench_cpu_options.py [--set build|asserts] [--batches 1 8] [--k 7] [--context 500] [--repeats 7]
 
 The shipped pair, one CPU thread, ``speculation="fixed"`` at ``--k`` (a plain step, no proposal, at 0). Compiles the
-step of each batch size once per variant of the ``--set``, each into an empty compile cache, prints each compile's
-seconds and the median step time over ``--repeats`` rounds of 20 calls, the variants interleaved. Sets:
+step of each batch size once per variant of the ``--set``, each into an empty compile cache, prints the seconds of
+each variant's first step (its compile included; the first variant's also packs the weights) and the median step
+time over ``--repeats`` rounds of 20 calls, the variants interleaved. Sets:
 
 - ``build``: the C++ wrapper built as one translation unit with a precompiled header (Inductor's defaults with
   ``cpp_wrapper``), against the ``dflash`` backend's build (``backends.CPU_INDUCTOR_OPTIONS``: wrapper and kernels
