@@ -158,7 +158,7 @@ def test_repeated_target_layers_compile_as_one_region_with_the_passes_inside():
 
 def test_graphs_with_regions_run_without_inductors_size_asserts():
     """A CPU graph that calls nested compile regions keeps Inductor's Python wrapper; its ``assert_size_stride``
-    calls on every input and extern output (~18 a decoder layer) are off (dynamo's guards check the inputs; the
+    calls on every input and extern output (~25 a decoder layer) are off (dynamo's guards check the inputs; the
     kernels' fake implementations are checked by ``tests/lowerings/test_fake_impls.py``), and ``options`` turns
     them back on. The results are the eager function's either way."""
     from torch._inductor.utils import run_and_get_code
