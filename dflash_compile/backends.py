@@ -317,7 +317,9 @@ def _inductor(gm, example_inputs, options):
 
         opts.update({**COLLECTIVE_INDUCTOR_OPTIONS, **(options or {})})
         counters["dflash"]["waited_collectives"] += waited_collectives(gm)  # complete before any read
-    with inductor_config.patch(opts):
+    from .cpp_units import one_unit_per_graph
+
+    with inductor_config.patch(opts), one_unit_per_graph():  # one C++ build per graph (cpp_units.py)
         return compile_fx(gm, example_inputs)
 
 

@@ -89,6 +89,8 @@ def _compiled_equals_eager(family_pair, backend, regions=False):
         assert counters["dflash"].pop("region_calls") == 2 * n_target
         assert counters["dflash"].pop("region_subgraphs") == 2 * per_graph
         assert counters["dflash"].pop("region_splits", 0) == 2 * (per_graph - 1)
+        # Inductor's Python wrapper (a graph calling regions): each graph's C++ kernels built as one unit
+        assert counters["dflash"].pop("cpp_units") == 2 and counters["dflash"].pop("cpp_unit_kernels") > 2 * 2
     assert dict(counters["dflash"]) == {
         "fused_kv_proj": 2, "paged_kv_write": 2 * (per_graph + 1), "block_attention": 2 * (per_graph + 2),
     }

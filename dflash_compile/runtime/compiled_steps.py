@@ -633,11 +633,14 @@ class CompiledSteps:
             payload = self._unwrap(key, blob)
             if self.backend in ("dflash", "dflash_neuron") and next(self.spec.target.parameters()).device.type == "cpu":
                 _row_linear_state()  # registers torch.ops.dflash_cpu.row_linear, which the saved graph may call
+            from ..cpp_units import one_unit_per_graph
+
             options = self._load_options()
             isa = self.vec_isa_record()
             if isa is not None and isa.exists() and json.loads(isa.read_text()).get("isa"):
                 options["cpp.vec_isa_ok"] = True  # the probe passed when the folder was compiled
-            with _TRACING, self._inductor_cache(), torch._inductor.config.patch(options):
+            with _TRACING, self._inductor_cache(), torch._inductor.config.patch(options), \
+                    one_unit_per_graph(self.backend in ("dflash", "dflash_neuron")):
                 fn = torch.compiler.load_compiled_function(io.BytesIO(payload), external_data={"step": self.spec.dflash_step})
         except Exception as e:  # a damaged or foreign entry never stops a request: compile instead
             self._warn(key, f"{type(e).__name__}: {e}".splitlines()[0][:200], path)
