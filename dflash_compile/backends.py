@@ -47,9 +47,9 @@ INDUCTOR_OPTIONS = {"freezing": False}
 CPU_INDUCTOR_OPTIONS = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True, "cpp_cache_precompile_headers": False}
 #: For CPU graphs that call nested compile regions (``runtime/regions.py``): torch 2.13's C++ wrapper cannot
 #: call a subgraph (``NotImplementedError: codegen invoke_subgraph is not implemented for cpp wrapper``), so these keep
-#: the Python wrapper, whose kernels build as one shared object each; the precompiled header makes each build cheap
+#: the Python wrapper, whose kernels ``cpp_units.py`` builds as one unit per graph, from the precompiled header
 #: (SmolLM2-135M's step, batch 1, K 7, cold: 114 s inline with the C++ wrapper, 99 s as regions without the header,
-#: 74 s with it; single-graph runs, ``docs/compile.md``). Without the Python wrapper's size, stride and scalar
+#: 74 s with it, a kernel a build; 24 s with one build per graph; ``docs/compile.md``). Without the Python wrapper's size, stride and scalar
 #: asserts (``assert_size_stride`` on every input and every extern kernel's output, ~25 a layer: SmolLM2's plain step
 #: 21.15 -> 20.20 ms at batch 1 and 68.28 -> 66.31 ms at batch 8, ``benchmarks/bench_cpu_options.py --set asserts``):
 #: dynamo's guards already check each input's sizes and strides, and the extern kernels' fake implementations are
