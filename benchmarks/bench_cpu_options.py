@@ -1,8 +1,9 @@
 """Inductor's options for the CPU step: the compile time and the step time they give, side by side.
 
-    python benchmarks/bench_cpu_options.py [--set build|asserts] [--batches 1 8] [--k 7] [--context 500] [--repeats 7]
+    python benchmarks/bench_cpu_options.py [--set build|asserts|regions] [--pair default|tiny] [--batches 1 8] [--k 7]
+        [--context 500] [--repeats 7]
 
-The shipped pair, one CPU thread, ``speculation="fixed"`` at ``--k`` (a plain step, no proposal, at 0). Compiles the
+The shipped pair (``--pair tiny``: the tiny code pair), one CPU thread, ``speculation="fixed"`` at ``--k`` (a plain step, no proposal, at 0). Compiles the
 step of each batch size once per variant of the ``--set``, each into an empty compile cache, prints the seconds of
 each variant's first step (its compile included; the first variant's also packs the weights) and the median step
 time over ``--repeats`` rounds of 20 calls, the variants interleaved. Sets:
@@ -13,6 +14,8 @@ time over ``--repeats`` rounds of 20 calls, the variants interleaved. Sets:
   layers inline: ``regions=False``).
 - ``asserts``: a graph with regions (Python wrapper) with Inductor's size, stride and scalar asserts on, against
   the backend's default without them (``backends.REGION_CPU_INDUCTOR_OPTIONS``).
+- ``regions``: the target's decoder layers as nested compile regions (Inductor's Python wrapper, its kernels one C++
+  unit: ``cpp_units.py``) against inline (the C++ wrapper), each with the backend's options.
 """
 
 from __future__ import annotations
@@ -28,30 +31,38 @@ from _harness import load_pair
 from bench_step import step_inputs
 from dflash_compile import DFlashSpecWrapper
 
+#: each set's variants: name -> (Inductor options, regions)
 SETS = {
-    "build": ({"one unit, precompiled header": {"cpp_wrapper_build_separate": False,
-                                                "cpp_cache_precompile_headers": True},
-               "dflash (two units, no header)": {}}, False),
-    "asserts": ({"with size and scalar asserts": {"size_asserts": True, "scalar_asserts": True},
-                 "dflash (without them)": {}}, True),
+    "build": {"one unit, precompiled header": ({"cpp_wrapper_build_separate": False,
+                                                 "cpp_cache_precompile_headers": True}, False),
+              "dflash (two units, no header)": ({}, False)},
+    "asserts": {"with size and scalar asserts": ({"size_asserts": True, "scalar_asserts": True}, True),
+                "dflash (without them)": ({}, True)},
+    "regions": {"layers as regions": ({}, True), "layers inline": ({}, False)},
 }
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--set", choices=sorted(SETS), default="build")
+    p.add_argument("--pair", choices=("default", "tiny"), default="default")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     p.add_argument("--k", type=int, default=None, help="the fixed K (default: the drafter's block size - 1)")
     p.add_argument("--context", type=int, default=500)
     p.add_argument("--repeats", type=int, default=7)
     args = p.parse_args()
     torch.set_num_threads(1)
-    target, draft = load_pair()
+    if args.pair == "tiny":
+        from dflash_compile.assets import tiny_pair_paths
+
+        target, draft = load_pair(*tiny_pair_paths())
+    else:
+        target, draft = load_pair()
     k = draft.block_size - 1 if args.k is None else args.k
-    variants, regions = SETS[args.set]
+    variants = SETS[args.set]
     for batch in args.batches:
         specs = {}
-        for name, options in variants.items():
+        for name, (options, regions) in variants.items():
             spec = DFlashSpecWrapper(target, draft, k, speculation="fixed", max_batch_size=batch,
                                      batch_buckets=(batch,), max_seq_len=2048)
             spec.compile(backend="dflash", cache_dir=tempfile.mkdtemp(), options=options, regions=regions)
