@@ -1,6 +1,7 @@
 """Compile once: one step graph per key for every context length, saved graphs reused by later wrappers and
 processes, damaged entries recompiled with one warning, ``precompile`` and ``on_miss``."""
 
+import gc
 import hashlib
 import json
 import logging
@@ -262,6 +263,30 @@ def test_the_fingerprint_covers_every_source_of_the_package():
     names = {p.relative_to(root).as_posix() for p in compiled_steps.package_sources()}
     assert {"passes/fused_kv.py", "lowerings/cpu/row_linear.cpp", "lowerings/cpu/block_attention.py",
             "step/step.py", "runtime/compiled_steps.py", "backends.py"} <= names
+
+
+def test_python_collects_less_often_while_a_step_compiles_and_as_before_after():
+    from dflash_compile.runtime import compiled_steps
+
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append(gc.get_threshold())
+        return gm.forward
+
+    before = gc.get_threshold()
+    target, spec = _pair()
+    spec.compile(backend=backend)
+    prompt = random_prompts([8], seed=3)[0]
+    assert _new_tokens(spec, prompt, 6) == _reference(target, prompt, 6)
+    raised = (max(before[0], compiled_steps.COMPILE_GC_THRESHOLD), *before[1:])
+    assert seen and all(t == raised for t in seen)
+    assert gc.get_threshold() == before
+    with compiled_steps.fewer_collections():  # nested (a background compile beside another): the last one restores
+        with compiled_steps.fewer_collections():
+            assert gc.get_threshold() == raised
+        assert gc.get_threshold() == raised
+    assert gc.get_threshold() == before
 
 
 def test_precompile_needs_compile():

@@ -12,7 +12,8 @@ models on the CPU (a CUDA context does not survive a fork), no tensor parallelis
 either), two or more graphs to compile and two or more workers. Before forking, this thread's idle OpenMP workers
 are released (``openmp.release_idle_team``: a forked child has none of them) and the process-wide tracing lock is
 held, so no other thread of this process is inside a trace at the fork; a child compiles with Inductor's compile
-pool off (its worker processes belong to the parent). A child that fails (an exception, a crash) leaves its key
+pool off (its worker processes belong to the parent) and the heap it inherited frozen (``gc.freeze``: Python's
+collector does not walk the parent's objects again in every full collection of a short-lived child). A child that fails (an exception, a crash) leaves its key
 missing: it is compiled here as before, and the failure is said in one line.
 
 ``workers``: ``spec.compile(..., workers=N)``; default ``$DFLASH_COMPILE_WORKERS``, else the CPUs this process may
@@ -21,6 +22,7 @@ run on.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -163,6 +165,7 @@ def _child(steps, key, write: int) -> None:
         from torch._inductor import config as inductor_config
 
         inductor_config.compile_threads = 1  # the parent's compile pool is not this process's
+        gc.freeze()  # the heap inherited from the parent lives until this process ends: no collection walks it
         steps.listeners = []  # the parent's scheduler is not here
         args, kwargs = steps.keys.example(key)
         before = _metrics()

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import gc
 import hashlib
 import io
 import json
@@ -272,6 +273,34 @@ def _backend_callable(backend, mode, options):
     if mode is not None or options:
         return torch._TorchCompileWrapper(backend, mode, options or None, False)
     return torch._dynamo.lookup_backend(backend)
+
+
+#: Python's first-generation collection threshold while a step compiles (the default is 700 allocations): tracing and
+#: code generation allocate millions of short-lived objects, and collecting every 700 of them cost 2.5 s of a 44 s
+#: compile of SmolLM2's two batch-1 graphs (2,388 collections; 0.7 s with this threshold: 13).
+COMPILE_GC_THRESHOLD = 100_000
+_gc_lock = threading.Lock()
+_gc_saved: list = []  # [thresholds before the first compile in progress, compiles in progress]
+
+
+@contextlib.contextmanager
+def fewer_collections():
+    """Raise Python's first-generation collection threshold while a compile runs (restored when the last compile in
+    progress in this process ends; nothing is collected less than it would be afterwards)."""
+    with _gc_lock:
+        if not _gc_saved:
+            _gc_saved[:] = [gc.get_threshold(), 0]
+            old = _gc_saved[0]
+            gc.set_threshold(max(old[0], COMPILE_GC_THRESHOLD), *old[1:])
+        _gc_saved[1] += 1
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_saved[1] -= 1
+            if _gc_saved[1] == 0:
+                gc.set_threshold(*_gc_saved[0])
+                _gc_saved.clear()
 
 
 class CompiledSteps:
@@ -526,7 +555,7 @@ class CompiledSteps:
         start = time.perf_counter()
         backend = _serializable(_backend_callable(self.backend, self.mode, self.options))
         regions = compile_regions(self.keys.region_types, self.spec.target)
-        with _TRACING, self._inductor_cache(), torch.no_grad(), regions, \
+        with _TRACING, self._inductor_cache(), torch.no_grad(), regions, fewer_collections(), \
                 torch._dynamo.config.patch(automatic_dynamic_shapes=False), size_oblivious():
             compiled = torch.compile(self.spec.dflash_step, backend=backend, fullgraph=True, dynamic=False, options={
                 "guard_filter_fn": functools.partial(
