@@ -13,8 +13,10 @@ of compiler runs changes.
 Applies to what Inductor generates while the context is active, on this thread (a ``contextvars`` switch): the
 DFlash backends' compiles (``backends._inductor``) and the loading of their saved graphs
 (``CompiledSteps._load``), where the module runs its ``cpp_pybinding`` calls again and finds the built unit in
-Inductor's cache under the same key. A kernel whose code or argument types this module does not recognise keeps
-Inductor's own path. Nothing changes for other ``torch.compile`` users of the process.
+Inductor's cache under the same key, or directly through the record ``units_recorded_in`` keeps in the compile
+cache's folder. A kernel whose code or argument types this module does not recognise keeps Inductor's own path; a
+unit that fails to build is said once and its kernels are built one by one. Nothing changes for other
+``torch.compile`` users of the process.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from torch._inductor.utils import clear_on_fresh_cache
 log = logging.getLogger(__name__)
 _said: set[str] = set()
 _ACTIVE = contextvars.ContextVar("dflash_one_cpp_unit_per_graph", default=False)
+_INDEX = contextvars.ContextVar("dflash_cpp_unit_index", default=None)
 _INCLUDE = re.compile(r"^[ \t]*#[ \t]*include\b[^\n]*$", re.M)
 _ENTRY = re.compile(r'extern\s+"C"\s+(?:__declspec\(dllexport\)\s+)?void\s+kernel\s*\(')
 #: scalar argument types the binding converts (the types Inductor's CPU kernels take besides pointers)
@@ -49,6 +52,18 @@ def one_unit_per_graph(enabled: bool = True):
         yield
     finally:
         _ACTIVE.reset(token)
+
+
+@contextlib.contextmanager
+def units_recorded_in(index):
+    """Units built on this thread meanwhile are recorded in directory ``index`` (their Inductor cache key and binary),
+    and a unit found there is imported from its binary directly, without Inductor's check of its precompiled
+    prelude (the preprocessor run over the prelude: ~0.25 s of every warm start). None: no record."""
+    token = _INDEX.set(index)
+    try:
+        yield
+    finally:
+        _INDEX.reset(token)
 
 
 def _scalar(argtype: str) -> str | None:
@@ -154,10 +169,11 @@ class _UnitCache(CppPythonBindingsCodeCache):
 class _Unit:
     """The kernels one generated module defined, built together at its ``async_compile.wait`` (or first call)."""
 
-    def __init__(self):
+    def __init__(self, index=None):
         self.kernels: list[tuple[list[str], str]] = []
         self.module = None
         self.lock = threading.Lock()
+        self.index = index  # where built units are recorded (one_unit_per_graph)
 
     def function(self, index: int):
         with self.lock:
@@ -169,8 +185,11 @@ class _Unit:
         import torch
         from torch._dynamo.utils import counters
 
+        source = unit_source(self.kernels)
         try:
-            module = _UnitCache.load(unit_source(self.kernels), "cpu")
+            module = recorded = _recorded(self.index, source)
+            if module is None:
+                module = _UnitCache.load(source, "cpu")
         except Exception as e:  # noqa: BLE001 - any build or import failure: Inductor's own path, said once
             if "unit" not in _said:
                 _said.add("unit")
@@ -180,9 +199,60 @@ class _Unit:
             counters["dflash"]["cpp_units_failed"] += 1
             return _OneByOne(self.kernels)
         module._init(torch._C._dynamo.guards._torchinductor_pyobject_tensor_data_ptr)
+        if recorded is None:
+            _record(self.index, source, module)
         counters["dflash"]["cpp_units"] += 1  # built or loaded from Inductor's cache
         counters["dflash"]["cpp_unit_kernels"] += len(self.kernels)
         return module
+
+
+def _index_entry(index, source: str):
+    import hashlib
+    from pathlib import Path
+
+    return Path(index) / f"{hashlib.sha256(source.encode()).hexdigest()[:32]}.json"
+
+
+def _recorded(index, source: str):
+    """The unit of ``source`` imported from the binary recorded in ``index`` (relative to Inductor's cache directory
+    now in effect), or None (no index, no record, no binary there, or it does not import: Inductor's path then)."""
+    if index is None:
+        return None
+    import json
+    from pathlib import Path
+
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    try:
+        entry = json.loads(_index_entry(index, source).read_text())
+        binary = Path(cache_dir()) / entry["binary"]
+        if not binary.is_file():
+            return None
+        return _UnitCache._load_library(str(binary), entry["key"])
+    except (OSError, ValueError, KeyError, ImportError):
+        return None
+
+
+def _record(index, source: str, module) -> None:
+    """Record in ``index`` where the unit of ``source`` was built (best effort: a read-only cache just goes
+    unrecorded)."""
+    if index is None:
+        return
+    import json
+    import os
+    from pathlib import Path
+
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    try:
+        binary = Path(module.__file__).resolve().relative_to(Path(cache_dir()).resolve())
+        path = _index_entry(index, source)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"key": module.key, "binary": str(binary)}))
+        os.replace(tmp, path)
+    except (OSError, ValueError, AttributeError):
+        pass
 
 
 class _OneByOne:
@@ -219,7 +289,9 @@ _inductor_wait = AsyncCompile.wait
 def _cpp_pybinding(self, argtypes, source_code):
     if not _ACTIVE.get() or not batchable(argtypes, source_code):
         return _inductor_cpp_pybinding(self, argtypes, source_code)
-    unit = self.__dict__.setdefault("_dflash_unit", _Unit())
+    unit = self.__dict__.get("_dflash_unit")
+    if unit is None:
+        unit = self.__dict__["_dflash_unit"] = _Unit(_INDEX.get())
     unit.kernels.append((list(argtypes), source_code))
     return _Pending(unit, len(unit.kernels) - 1)
 

@@ -100,3 +100,50 @@ def test_a_unit_holds_each_kernel_in_its_own_namespace_once_included():
     assert src.count('extern "C"') == 0 and "namespace dflash_k0 {" in src and "namespace dflash_k1 {" in src
     assert 'dflash_k1::kernel(static_cast<float*>(dflash_tensor_data(PyTuple_GET_ITEM(args, 0)))' in src
     assert "dflash_scalar<int64_t>(args, 2, PyLong_AsLongLong)" in src
+
+
+def test_a_saved_region_graph_loads_its_unit_in_another_process_without_building(tmp_path):
+    """A step graph with regions (Python wrapper) saved by one process and loaded by another: the loading process
+    runs the module's ``cpp_pybinding`` calls again, gets the same unit, finds it built (no compiler run, no
+    per-kernel build) and gives the same tokens."""
+    import json
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    from test_compile_cache import _new_tokens, _pair, _reference
+    from tiny_models import random_prompts
+
+    torch._dynamo.reset()
+    counters.clear()
+    target, spec = _pair()
+    spec.compile(backend="dflash", cache_dir=tmp_path / "c", regions=True)
+    prompt = random_prompts([9], 2)[0]
+    tokens = _new_tokens(spec, prompt, 12)
+    assert tokens == _reference(target, prompt, 12)
+    assert counters["dflash"]["cpp_units"] == 1 and counters["dflash"]["region_calls"] > 1
+    script = textwrap.dedent(f"""
+        import json, sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        import torch
+        from torch._dynamo.utils import counters
+        from torch._inductor import cpp_builder
+        from torch._inductor.codecache import CppPythonBindingsCodeCache
+        from test_compile_cache import _pair, _new_tokens
+        builds, per_kernel = [], []
+        build = cpp_builder.CppBuilder.build
+        cpp_builder.CppBuilder.build = lambda self, *a, **k: builds.append(self.get_target_file_path()) or build(self, *a, **k)
+        one = CppPythonBindingsCodeCache.load_pybinding_async
+        CppPythonBindingsCodeCache.load_pybinding_async = lambda *a, **k: per_kernel.append(1) or one(*a, **k)
+        target, spec = _pair()
+        spec.compile(backend="dflash", cache_dir={str(tmp_path / "c")!r}, regions=True)
+        tokens = _new_tokens(spec, {prompt!r}, 12)
+        print(json.dumps([tokens, [how for _, how, _ in spec.compiled_steps.events], builds, len(per_kernel),
+                          dict(counters["dflash"])]))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got, hows, built, per_kernel, dflash = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got == tokens and hows == ["loaded"]
+    assert built == [] and per_kernel == 0 and dflash.get("cpp_units") == 1, (built, per_kernel, dflash)

@@ -555,7 +555,7 @@ class CompiledSteps:
         start = time.perf_counter()
         backend = _serializable(_backend_callable(self.backend, self.mode, self.options))
         regions = compile_regions(self.keys.region_types, self.spec.target)
-        with _TRACING, self._inductor_cache(), torch.no_grad(), regions, fewer_collections(), \
+        with _TRACING, self._inductor_cache(), torch.no_grad(), regions, fewer_collections(), self._units_index(), \
                 torch._dynamo.config.patch(automatic_dynamic_shapes=False), size_oblivious():
             compiled = torch.compile(self.spec.dflash_step, backend=backend, fullgraph=True, dynamic=False, options={
                 "guard_filter_fn": functools.partial(
@@ -574,6 +574,14 @@ class CompiledSteps:
         if not isinstance(fn, _InProcessStep):
             self._save(key, fn)
         return fn
+
+    def _units_index(self):
+        """Where this folder's one-unit C++ builds are recorded (``cpp_units.units_recorded_in``): the folder's
+        fingerprint holds what the builds depend on besides their source (torch, the CPU, the options)."""
+        from ..cpp_units import units_recorded_in
+
+        folder = self.folder()
+        return units_recorded_in(None if folder is None else folder / "cpp_units")
 
     def _inductor_cache(self):
         if self.inductor_dir is None:
@@ -668,7 +676,7 @@ class CompiledSteps:
             isa = self.vec_isa_record()
             if isa is not None and isa.exists() and json.loads(isa.read_text()).get("isa"):
                 options["cpp.vec_isa_ok"] = True  # the probe passed when the folder was compiled
-            with _TRACING, self._inductor_cache(), torch._inductor.config.patch(options), \
+            with _TRACING, self._inductor_cache(), torch._inductor.config.patch(options), self._units_index(), \
                     one_unit_per_graph(self.backend in ("dflash", "dflash_neuron")):
                 fn = torch.compiler.load_compiled_function(io.BytesIO(payload), external_data={"step": self.spec.dflash_step})
         except Exception as e:  # a damaged or foreign entry never stops a request: compile instead
