@@ -3,8 +3,8 @@
 Under Inductor's Python wrapper (the region graphs' wrapper: ``backends.REGION_CPU_INDUCTOR_OPTIONS``) every fused
 CPU kernel of a graph is its own translation unit, built into its own shared object
 (``async_compile.cpp_pybinding``). Each build parses Inductor's kernel prelude (``cpp_prefix.h``: ATen's vector
-types; from a precompiled header, ~0.6 s on this project's 2-core CPU even for an empty kernel), so a graph of 19
-small kernels costs ~19 s of builds, most of it the same prelude again. Inside :func:`one_unit_per_graph`, the
+types; from a precompiled header, ~0.6 s on this project's 2-core CPU even for an empty kernel, ~1 s for a small
+one), so a graph of 19 small kernels costs ~19 s of builds, most of it the same prelude again. Inside :func:`one_unit_per_graph`, the
 kernels a generated module defines are collected instead and built together, once, as one translation unit with a
 Python binding per kernel: each kernel's code in a namespace of its own (``dflash_k<i>``), its ``#include`` lines
 hoisted, ``extern "C"`` dropped. The kernels' code is Inductor's, unchanged, so the same kernels run; only the number
@@ -66,7 +66,7 @@ def units_recorded_in(index):
         _INDEX.reset(token)
 
 
-def _scalar(argtype: str) -> str | None:
+def _scalar(argtype: str) -> str:
     return argtype.replace("const ", "").strip()
 
 
@@ -91,6 +91,7 @@ _GLUE_HEAD = """
 #include <Python.h>
 #include <cstdint>
 #include <stdexcept>
+#include <string>
 
 // Set by _init() with the address of torch's tensor-to-data-pointer function (no PyTorch headers needed here).
 static void* (*dflash_tensor_data)(PyObject*) = nullptr;
