@@ -4,11 +4,11 @@ Under Inductor's Python wrapper (the region graphs' wrapper: ``backends.REGION_C
 CPU kernel of a graph is its own translation unit, built into its own shared object
 (``async_compile.cpp_pybinding``). Each build parses Inductor's kernel prelude (``cpp_prefix.h``: ATen's vector
 types; from a precompiled header, ~0.6 s on this project's 2-core CPU even for an empty kernel, ~1 s for a small
-one), so a graph of 19 small kernels costs ~19 s of builds, most of it the same prelude again. Inside :func:`one_unit_per_graph`, the
-kernels a generated module defines are collected instead and built together, once, as one translation unit with a
-Python binding per kernel: each kernel's code in a namespace of its own (``dflash_k<i>``), its ``#include`` lines
-hoisted, ``extern "C"`` dropped. The kernels' code is Inductor's, unchanged, so the same kernels run; only the number
-of compiler runs changes.
+one), so a graph of 19 small kernels costs ~19 s of builds, most of it the same prelude again. Inside
+:func:`one_unit_per_graph`, the kernels a generated module defines are collected instead and built together, once,
+as one translation unit with a Python binding per kernel: each kernel's code in a namespace of its own
+(``dflash_k<i>``), its ``#include`` lines hoisted, ``extern "C"`` dropped. The kernels' code is Inductor's, unchanged,
+so the same kernels run; only the number of compiler runs changes.
 
 Applies to what Inductor generates while the context is active, on this thread (a ``contextvars`` switch): the
 DFlash backends' compiles (``backends._inductor``) and the loading of their saved graphs
@@ -174,7 +174,7 @@ class _Unit:
         self.kernels: list[tuple[list[str], str]] = []
         self.module = None
         self.lock = threading.Lock()
-        self.index = index  # where built units are recorded (one_unit_per_graph)
+        self.index = index  # where built units are recorded (units_recorded_in)
 
     def function(self, index: int):
         with self.lock:
@@ -226,8 +226,9 @@ def _recorded(index, source: str):
 
     try:
         entry = json.loads(_index_entry(index, source).read_text())
-        binary = Path(cache_dir()) / entry["binary"]
-        if not binary.is_file():
+        root = Path(cache_dir()).resolve()
+        binary = (root / entry["binary"]).resolve()
+        if not binary.is_file() or not binary.is_relative_to(root):
             return None
         return _UnitCache._load_library(str(binary), entry["key"])
     except (OSError, ValueError, KeyError, ImportError):

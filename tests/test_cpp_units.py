@@ -133,7 +133,8 @@ def test_a_saved_region_graph_loads_its_unit_in_another_process_without_building
         from test_compile_cache import _pair, _new_tokens
         builds, per_kernel = [], []
         build = cpp_builder.CppBuilder.build
-        cpp_builder.CppBuilder.build = lambda self, *a, **k: builds.append(self.get_target_file_path()) or build(self, *a, **k)
+        cpp_builder.CppBuilder.build = (
+            lambda self, *a, **k: builds.append(self.get_target_file_path()) or build(self, *a, **k))
         one = CppPythonBindingsCodeCache.load_pybinding_async
         CppPythonBindingsCodeCache.load_pybinding_async = lambda *a, **k: per_kernel.append(1) or one(*a, **k)
         target, spec = _pair()

@@ -13,8 +13,9 @@ either), two or more graphs to compile and two or more workers. Before forking, 
 are released (``openmp.release_idle_team``: a forked child has none of them) and the process-wide tracing lock is
 held, so no other thread of this process is inside a trace at the fork; a child compiles with Inductor's compile
 pool off (its worker processes belong to the parent) and the heap it inherited frozen (``gc.freeze``: Python's
-collector does not walk the parent's objects again in every full collection of a short-lived child). A child that fails (an exception, a crash) leaves its key
-missing: it is compiled here as before, and the failure is said in one line.
+collector does not walk the parent's objects again in every full collection of a short-lived child). A child that
+fails (an exception, a crash) leaves its key missing: it is compiled here as before, and the failure is said in one
+line.
 
 ``workers``: ``spec.compile(..., workers=N)``; default ``$DFLASH_COMPILE_WORKERS``, else the CPUs this process may
 run on.
