@@ -49,6 +49,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--set", choices=sorted(SETS), default="build")
     p.add_argument("--pair", choices=("default", "tiny"), default="default")
+    p.add_argument("--reverse", action="store_true",
+                   help="build the variants in the reverse order (the first wrappers built in a process have been "
+                        "seen to step slower: compare both orders)")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     p.add_argument("--k", type=int, default=None, help="the fixed K (default: the drafter's block size - 1)")
     p.add_argument("--context", type=int, default=500)
@@ -62,7 +65,7 @@ def main() -> None:
     else:
         target, draft = load_pair()
     k = draft.block_size - 1 if args.k is None else args.k
-    variants = SETS[args.set]
+    variants = dict(reversed(SETS[args.set].items())) if args.reverse else SETS[args.set]
     for batch in args.batches:
         specs = {}
         for name, (options, regions) in variants.items():
