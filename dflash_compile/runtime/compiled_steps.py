@@ -285,8 +285,8 @@ _gc_saved: list = []  # [thresholds before the first compile in progress, compil
 
 @contextlib.contextmanager
 def fewer_collections():
-    """Raise Python's first-generation collection threshold while a compile runs (restored when the last compile in
-    progress in this process ends; nothing is collected less than it would be afterwards)."""
+    """Raise Python's first-generation collection threshold while a compile runs; the process's own thresholds are
+    restored when the last compile in progress ends."""
     with _gc_lock:
         if not _gc_saved:
             _gc_saved[:] = [gc.get_threshold(), 0]
