@@ -52,10 +52,9 @@ CPU_INDUCTOR_OPTIONS = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True,
 #: 74 s with it, a kernel a build; 24 s with one build per graph; ``docs/compile.md``). Without the Python wrapper's
 #: size, stride and scalar asserts (``assert_size_stride`` on every input and every extern kernel's output, ~25 a
 #: layer: SmolLM2's plain step 21.15 -> 20.20 ms at batch 1 and 68.28 -> 66.31 ms at batch 8,
-#: ``benchmarks/bench_cpu_options.py --set asserts``):
-#: dynamo's guards already check each input's sizes and strides, and the extern kernels' fake implementations are
-#: checked against their real outputs by ``torch.library.opcheck`` (``tests/lowerings/test_fake_impls.py``).
-#: Alignment asserts stay; ``options`` can turn any back on.
+#: ``benchmarks/bench_cpu_options.py --set asserts``): dynamo's guards already check each input's sizes and strides,
+#: and the extern kernels' fake implementations are checked against their real outputs by ``torch.library.opcheck``
+#: (``tests/lowerings/test_fake_impls.py``). Alignment asserts stay; ``options`` can turn any back on.
 REGION_CPU_INDUCTOR_OPTIONS = {"cpp_wrapper": False, "cpp_cache_precompile_headers": True, "size_asserts": False,
                                "scalar_asserts": False}
 #: For graphs with collectives (a tensor-parallel step), torch 2.13: the C++ wrapper cannot call a collective's

@@ -23,12 +23,19 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import hashlib
+import json
 import logging
 import re
 import threading
+from pathlib import Path
 
+import torch
+from torch._dynamo.aot_compile import atomic_write_binary
+from torch._dynamo.utils import counters
 from torch._inductor.async_compile import AsyncCompile
 from torch._inductor.codecache import CppPythonBindingsCodeCache
+from torch._inductor.runtime.cache_dir_utils import cache_dir
 from torch._inductor.utils import clear_on_fresh_cache
 
 log = logging.getLogger(__name__)
@@ -183,9 +190,6 @@ class _Unit:
         return getattr(self.module, f"k{index}")
 
     def _build(self):
-        import torch
-        from torch._dynamo.utils import counters
-
         source = unit_source(self.kernels)
         try:
             module = recorded = _recorded(self.index, source)
@@ -207,10 +211,7 @@ class _Unit:
         return module
 
 
-def _index_entry(index, source: str):
-    import hashlib
-    from pathlib import Path
-
+def _index_entry(index, source: str) -> Path:
     return Path(index) / f"{hashlib.sha256(source.encode()).hexdigest()[:32]}.json"
 
 
@@ -219,11 +220,6 @@ def _recorded(index, source: str):
     now in effect), or None (no index, no record, no binary there, or it does not import: Inductor's path then)."""
     if index is None:
         return None
-    import json
-    from pathlib import Path
-
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
     try:
         entry = json.loads(_index_entry(index, source).read_text())
         root = Path(cache_dir()).resolve()
@@ -240,19 +236,11 @@ def _record(index, source: str, module) -> None:
     unrecorded)."""
     if index is None:
         return
-    import json
-    import os
-    from pathlib import Path
-
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
     try:
         binary = Path(module.__file__).resolve().relative_to(Path(cache_dir()).resolve())
         path = _index_entry(index, source)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"key": module.key, "binary": str(binary)}))
-        os.replace(tmp, path)
+        atomic_write_binary(str(path), json.dumps({"key": module.key, "binary": str(binary)}).encode())
     except (OSError, ValueError, AttributeError):
         pass
 
