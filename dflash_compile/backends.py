@@ -303,9 +303,49 @@ def inductor_options(device_types: set[str], options: dict | None = None, region
     return {**INDUCTOR_OPTIONS, **device_options, **(options or {})}
 
 
+def fold_scalar_constants(gm: torch.fx.GraphModule) -> int:
+    """Every 0-dim tensor constant of ``gm`` and its subgraphs (the retrace makes one, a buffer, where the step writes
+    a Python scalar into a tensor: ``mask[:, 0] = False`` traces to ``fill_(x, lift_fresh_copy(_tensor_constant0))``)
+    made by ``aten.full`` instead. Torch compiles a graph's tensor constants into extra inputs of the compiled function, and
+    the saved form of that function (``torch.compiler.load_compiled_function``, torch 2.13) is called without them: a
+    step graph with a constant, saved and loaded by another process, got too few inputs (a ``ValueError`` from a
+    Python wrapper, a crash from a C++ one). Returns how many were folded."""
+    from .passes import graph_modules
+
+    folded = 0
+    for sub in graph_modules(gm):
+        for node in list(sub.graph.find_nodes(op="get_attr")):
+            value = getattr(sub, node.target, None) if "." not in node.target else None
+            if not isinstance(value, torch.Tensor) or value.dim() != 0:
+                continue
+            with sub.graph.inserting_before(node):
+                full = sub.graph.call_function(torch.ops.aten.full.default, ([], value.item()),
+                                               {"dtype": value.dtype, "device": value.device})
+            full.meta.update(node.meta)
+            node.replace_all_uses_with(full)
+            sub.graph.erase_node(node)
+            delattr(sub, node.target)
+            folded += 1
+        if folded:
+            sub.recompile()
+    counters["dflash"]["scalar_constants_folded"] += folded
+    return folded
+
+
+def tensor_constants(gm: torch.fx.GraphModule) -> list[str]:
+    """The tensors ``gm`` and its subgraphs read as attributes (the retrace registers its constants as buffers; a
+    dynamo graph passes the step's parameters and buffers as inputs)."""
+    from .passes import graph_modules
+
+    return [node.target for sub in graph_modules(gm) for node in sub.graph.find_nodes(op="get_attr")
+            if isinstance(getattr(sub, node.target, None) if "." not in node.target else None, torch.Tensor)]
+
+
 def _inductor(gm, example_inputs, options):
     from torch._inductor.compile_fx import compile_fx
 
+    fold_scalar_constants(gm)
+    kept = tensor_constants(gm)
     kinds = {x.device.type for x in example_inputs if isinstance(x, torch.Tensor)}
     # compile_fx reads a graph whose placeholders carry ``val`` as an exported one and, with the C++ wrapper, drops
     # its SymInt inputs: make_fx's placeholders lose ``val`` (dynamo's own graphs carry none), so the inputs count.
@@ -320,7 +360,14 @@ def _inductor(gm, example_inputs, options):
     from .cpp_units import one_unit_per_graph
 
     with inductor_config.patch(opts), one_unit_per_graph():  # one C++ build per graph (cpp_units.py)
-        return compile_fx(gm, example_inputs)
+        compiled = compile_fx(gm, example_inputs)
+    if not kept:
+        return compiled
+    # a constant that is not a scalar: the graph runs from memory, never saved (see fold_scalar_constants)
+    counters["dflash"]["graphs_with_tensor_constants"] += 1
+    _say_once(f"constants-{kept[:3]}", "dflash: a step graph reads tensor constants (%s); it is compiled for this "
+              "process only, not saved to the compile cache (a saved graph is called without them)", ", ".join(kept[:3]))
+    return lambda *args: compiled(*args)
 
 
 def _region_calls(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:

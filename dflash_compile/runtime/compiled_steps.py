@@ -59,6 +59,7 @@ log = logging.getLogger(__name__)
 CACHE_DIR_ENV = "DFLASH_COMPILE_CACHE_DIR"
 ON_MISS = ("compile", "eager", "background", "error")
 STATIC_CONTEXT_BACKENDS = ("dflash_neuron",)
+OWN_BACKENDS = ("dflash", "dflash_neuron")  # this package's (entry points in pyproject.toml)
 _MAGIC = b"DFLASHSTEP1\n"
 _TRACING = threading.Lock()  # dynamo traces one graph at a time, process-wide
 
@@ -155,7 +156,7 @@ def fingerprint(spec, backend: str, mode, options: dict, regions: bool = False) 
         # each rank of a tensor-parallel target compiles its own graph (its shards, its collectives)
         "tensor_parallel": [spec.tp.rank, spec.tp.world] if spec.tp is not None else None,
         # CPU graphs call the row_linear kernel (built for this CPU) unless it is switched off or cannot be built
-        "row_linear": (_row_linear_state() if p.device.type == "cpu" and backend in ("dflash", "dflash_neuron")
+        "row_linear": (_row_linear_state() if p.device.type == "cpu" and backend in OWN_BACKENDS
                        else None),
     }
 
@@ -311,8 +312,10 @@ class CompiledSteps:
                  workers: int | None = None):
         if on_miss not in ON_MISS:
             raise ValueError(f"on_miss={on_miss!r}: expected one of {ON_MISS}")
-        if isinstance(backend, str):
-            torch._dynamo.lookup_backend(backend)  # an unknown name fails here, before any request
+        if isinstance(backend, str) and backend not in OWN_BACKENDS:
+            # an unknown name fails here, before any request; ours are known without the lookup, whose first call
+            # imports every backend module torch ships (~0.4 s of a warm start)
+            torch._dynamo.lookup_backend(backend)
         self.spec = spec
         self.backend, self.mode, self.options = backend, mode, dict(options or {})
         self.on_miss = on_miss
@@ -402,7 +405,7 @@ class CompiledSteps:
     def _prepack(self) -> None:
         """Before graphs are loaded or compiled for CPU fp32 models: the ``row_linear`` kernel's packed weight copies
         made on a helper thread meanwhile (``row_linear.prepack``), once per wrapper."""
-        if self._prepacking is not None or self.backend not in ("dflash", "dflash_neuron"):
+        if self._prepacking is not None or self.backend not in OWN_BACKENDS:
             return
         from ..lowerings.cpu import row_linear
 
@@ -668,16 +671,17 @@ class CompiledSteps:
         try:
             blob = path.read_bytes()
             payload = self._unwrap(key, blob)
-            if self.backend in ("dflash", "dflash_neuron") and next(self.spec.target.parameters()).device.type == "cpu":
+            if self.backend in OWN_BACKENDS and next(self.spec.target.parameters()).device.type == "cpu":
                 _row_linear_state()  # registers torch.ops.dflash_cpu.row_linear, which the saved graph may call
             from ..cpp_units import one_unit_per_graph
+            from .deferred_imports import deferred_imports
 
             options = self._load_options()
             isa = self.vec_isa_record()
             if isa is not None and isa.exists() and json.loads(isa.read_text()).get("isa"):
                 options["cpp.vec_isa_ok"] = True  # the probe passed when the folder was compiled
             with _TRACING, self._inductor_cache(), torch._inductor.config.patch(options), self._units_index(), \
-                    one_unit_per_graph(self.backend in ("dflash", "dflash_neuron")):
+                    one_unit_per_graph(self.backend in OWN_BACKENDS), deferred_imports():
                 fn = torch.compiler.load_compiled_function(io.BytesIO(payload), external_data={"step": self.spec.dflash_step})
         except Exception as e:  # a damaged or foreign entry never stops a request: compile instead
             self._warn(key, f"{type(e).__name__}: {e}".splitlines()[0][:200], path)
@@ -691,7 +695,7 @@ class CompiledSteps:
     def _load_options(self) -> dict:
         """The Inductor config the graph was compiled under: a load looks its binaries up under the same build
         options (else Inductor compiles the saved C++ source again)."""
-        if self.backend in ("dflash", "dflash_neuron"):
+        if self.backend in OWN_BACKENDS:
             from ..backends import inductor_options
 
             device = next(self.spec.target.parameters()).device.type
