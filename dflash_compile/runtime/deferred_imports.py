@@ -7,11 +7,11 @@ table and its kernel templates (jinja sources compiled at import): about a secon
 single part of a warm start, for names a CPU step graph without extern kernels or a memory pool never touches.
 
 ``deferred_imports()`` is the window in which ``CompiledSteps._load`` imports a saved graph: each of those modules
-not imported yet is a stand-in in ``sys.modules`` (and on its package) whose two names are proxies that import the
-real module the first time they are used (an attribute read, a call); every other name read from the stand-in is
-the real module's, imported then. Leaving the window takes the stand-ins out (a later ``import`` gets the real
-module), unless the real module replaced them meanwhile. A module already imported is left as it is: in a process
-that compiles, nothing changes.
+not imported yet is a stand-in in ``sys.modules`` (and on its package). On the loading thread its deferred names
+are proxies that import the real module the first time they are used (an attribute read, a call); every other
+name, and every name read on another thread, is the real module's, imported then. Leaving the window takes the
+stand-ins out (a later ``import`` gets the real module), unless the real module replaced them meanwhile. A module
+already imported is left as it is: in a process that compiles, nothing changes.
 """
 
 from __future__ import annotations
@@ -35,11 +35,21 @@ _lock = threading.RLock()
 
 
 class StandIn(types.ModuleType):
-    """A module not imported yet: reading a name other than the deferred ones imports it."""
+    """A module not imported yet. The thread that placed it reads the deferred names as ``Deferred`` proxies; any
+    other name, and every name another thread reads (a background compile importing Inductor meanwhile gets the
+    real classes and functions), imports the module and reads it there."""
+
+    def __init__(self, name: str, deferred: dict[str, "Deferred"]):
+        super().__init__(name)
+        self._dflash_owner = threading.get_ident()
+        self._dflash_deferred = deferred
 
     def __getattr__(self, name):
         if name.startswith("__"):
             raise AttributeError(name)
+        proxy = self._dflash_deferred.get(name)
+        if proxy is not None and threading.get_ident() == self._dflash_owner and sys.modules.get(self.__name__) is self:
+            return proxy
         return getattr(real_module(self.__name__), name)
 
 
@@ -97,9 +107,7 @@ def deferred_imports():
             if name in sys.modules:
                 continue
             importlib.import_module(name.rpartition(".")[0])  # the package (cheap) is imported for real
-            stand_in = StandIn(name)
-            for n, known in names.items():
-                setattr(stand_in, n, Deferred(name, n, known))
+            stand_in = StandIn(name, {n: Deferred(name, n, known) for n, known in names.items()})
             sys.modules[name] = stand_in
             parent, child = _parent(name)
             setattr(parent, child, stand_in)
