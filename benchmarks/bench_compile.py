@@ -7,8 +7,8 @@ Each scenario runs in a fresh process (``--worker``), one CPU thread, and times 
 new token a caller receives and up to the first generated tokens of ``--batch`` prompts (8 new tokens after 8-token
 prompts) on a wrapper of ``max_batch_size = --batch`` with the default speculation policy: the ``generate`` call
 readies every graph a batch of that size may step through (each batch bucket up to it, each K the policy may choose)
-before its first step, so both times cover every graph the default path needs for batch sizes 1 to ``--batch``. With the phases torch records
-(``compile_times``) plus the DFlash ones:
+before its first step, so both times cover every graph the default path needs for batch sizes 1 to ``--batch``.
+With the phases torch records (``compile_times``) plus the DFlash ones:
 
 - ``cold``: an empty compile cache (and so an empty Inductor cache inside it): dynamo traces the step, the DFlash
   passes and the lowering retrace run, AOTAutograd traces, Inductor generates and compiles C++ (Triton on CUDA),

@@ -306,17 +306,19 @@ def inductor_options(device_types: set[str], options: dict | None = None, region
 def fold_scalar_constants(gm: torch.fx.GraphModule) -> int:
     """Every 0-dim tensor constant of ``gm`` and its subgraphs (the retrace makes one, a buffer, where the step writes
     a Python scalar into a tensor: ``mask[:, 0] = False`` traces to ``fill_(x, lift_fresh_copy(_tensor_constant0))``)
-    made by ``aten.full`` instead. Torch compiles a graph's tensor constants into extra inputs of the compiled function, and
-    the saved form of that function (``torch.compiler.load_compiled_function``, torch 2.13) is called without them: a
-    step graph with a constant, saved and loaded by another process, got too few inputs (a ``ValueError`` from a
-    Python wrapper, a crash from a C++ one). Returns how many were folded."""
+    made by ``aten.full`` instead. Torch compiles a graph's tensor constants into extra inputs of the compiled
+    function, and the saved form of that function (``torch.compiler.load_compiled_function``, torch 2.13) is called
+    without them: a step graph with a constant, saved and loaded by another process, got too few inputs (a
+    ``ValueError`` from a Python wrapper, a crash from a C++ one). Returns how many were folded."""
+    from torch._subclasses import FakeTensor
+
     from .passes import graph_modules
 
     folded = 0
     for sub in graph_modules(gm):
         for node in list(sub.graph.find_nodes(op="get_attr")):
             value = getattr(sub, node.target, None) if "." not in node.target else None
-            if not isinstance(value, torch.Tensor) or value.dim() != 0:
+            if not isinstance(value, torch.Tensor) or value.dim() != 0 or isinstance(value, FakeTensor):
                 continue
             with sub.graph.inserting_before(node):
                 full = sub.graph.call_function(torch.ops.aten.full.default, ([], value.item()),
@@ -328,7 +330,8 @@ def fold_scalar_constants(gm: torch.fx.GraphModule) -> int:
             folded += 1
         if folded:
             sub.recompile()
-    counters["dflash"]["scalar_constants_folded"] += folded
+    if folded:  # (counted only where something was folded: tests compare a greedy step's whole dict)
+        counters["dflash"]["scalar_constants_folded"] += folded
     return folded
 
 
@@ -366,7 +369,8 @@ def _inductor(gm, example_inputs, options):
     # a constant that is not a scalar: the graph runs from memory, never saved (see fold_scalar_constants)
     counters["dflash"]["graphs_with_tensor_constants"] += 1
     _say_once(f"constants-{kept[:3]}", "dflash: a step graph reads tensor constants (%s); it is compiled for this "
-              "process only, not saved to the compile cache (a saved graph is called without them)", ", ".join(kept[:3]))
+              "process only, not saved to the compile cache (a saved graph is called without them)",
+              ", ".join(kept[:3]))
     return lambda *args: compiled(*args)
 
 
