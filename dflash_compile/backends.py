@@ -312,36 +312,41 @@ def fold_scalar_constants(gm: torch.fx.GraphModule) -> int:
     ``ValueError`` from a Python wrapper, a crash from a C++ one). Returns how many were folded."""
     from torch._subclasses import FakeTensor
 
-    from .passes import graph_modules
-
     folded = 0
-    for sub in graph_modules(gm):
-        for node in list(sub.graph.find_nodes(op="get_attr")):
-            value = getattr(sub, node.target, None) if "." not in node.target else None
-            if not isinstance(value, torch.Tensor) or value.dim() != 0 or isinstance(value, FakeTensor):
-                continue
+    for sub, node, value in _attribute_tensors(gm):
+        if value.dim() == 0 and not isinstance(value, FakeTensor):
             with sub.graph.inserting_before(node):
                 full = sub.graph.call_function(torch.ops.aten.full.default, ([], value.item()),
                                                {"dtype": value.dtype, "device": value.device})
             full.meta.update(node.meta)
             node.replace_all_uses_with(full)
             sub.graph.erase_node(node)
-            delattr(sub, node.target)
-            folded += 1
-        if folded:
+            if not sub.graph.find_nodes(op="get_attr", target=node.target):  # its last reader
+                delattr(sub, node.target)
             sub.recompile()
+            folded += 1
     if folded:  # (counted only where something was folded: tests compare a greedy step's whole dict)
         counters["dflash"]["scalar_constants_folded"] += folded
     return folded
 
 
-def tensor_constants(gm: torch.fx.GraphModule) -> list[str]:
-    """The tensors ``gm`` and its subgraphs read as attributes (the retrace registers its constants as buffers; a
-    dynamo graph passes the step's parameters and buffers as inputs)."""
+def _attribute_tensors(gm: torch.fx.GraphModule) -> list[tuple]:
+    """``(graph module, get_attr node, tensor)`` for every tensor ``gm`` and its subgraphs read as an attribute (the
+    retrace registers its constants as buffers; a dynamo graph passes the step's parameters and buffers as inputs)."""
     from .passes import graph_modules
 
-    return [node.target for sub in graph_modules(gm) for node in sub.graph.find_nodes(op="get_attr")
-            if isinstance(getattr(sub, node.target, None) if "." not in node.target else None, torch.Tensor)]
+    found = []
+    for sub in graph_modules(gm):
+        for node in sub.graph.find_nodes(op="get_attr"):
+            value = getattr(sub, node.target, None) if "." not in node.target else None
+            if isinstance(value, torch.Tensor):
+                found.append((sub, node, value))
+    return found
+
+
+def tensor_constants(gm: torch.fx.GraphModule) -> list[str]:
+    """The names of the tensors ``gm`` and its subgraphs read as attributes."""
+    return [node.target for _, node, _ in _attribute_tensors(gm)]
 
 
 def _inductor(gm, example_inputs, options):
