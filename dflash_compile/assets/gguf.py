@@ -16,6 +16,7 @@ else ``~/.cache/dflash_compile``), keyed by the GGUF file's content hash, so a c
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -122,15 +123,38 @@ def converted_dir(gguf_path, cache_dir=None, progress: bool = True) -> Path:
     digest = _file_digest(gguf_path)
     root = Path(cache_dir) / "models" if cache_dir else models_dir()
     out = root / f"{gguf_path.stem}-{digest[:12]}"
-    done = out / _DONE
-    if done.is_file():
+
+    def finished() -> bool:
         try:
-            if json.loads(done.read_text()).get("sha256") == digest:
-                return out
+            return json.loads((out / _DONE).read_text()).get("sha256") == digest
         except (OSError, ValueError):
-            pass
+            return False
+
+    if finished():
+        return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    return convert_gguf(gguf_path, out, progress=progress)
+    # One conversion at a time per directory: processes starting together (a server and a script, test workers)
+    # wait for the first one's and then read its directory, instead of replacing it under each other's feet.
+    with _exclusive(out.with_name(out.name + ".lock")):
+        if finished():
+            return out
+        return convert_gguf(gguf_path, out, progress=progress)
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path):
+    """An exclusive lock on ``lock_path`` (created if absent) for the block; a platform without ``fcntl`` gets none."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: conversions are not serialised there
+        yield
+        return
+    with open(lock_path, "a+") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def smollm2_135m_instruct(cache_dir=None, progress: bool = True) -> Path:
