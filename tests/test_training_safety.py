@@ -128,3 +128,25 @@ def test_train_drafter_keeps_the_earlier_runs_records(tmp_path):
     assert runs(resume=True) == [first, second]  # --resume keeps --out's records
     assert runs(init=tmp_path / "a") == [first]  # --init carries the source drafter's records
     assert runs(resume=True, out=tmp_path / "missing") == []
+
+
+@pytest.mark.parametrize("flags, warns", [({"avx2", "fma"}, True), ({"avx2", "avx512_bf16"}, False),
+                                          ({"amx_bf16"}, False)])
+def test_bf16_autocast_on_a_cpu_without_bf16_instructions_warns(monkeypatch, flags, warns):
+    """On an AVX2-only core torch's bf16 products take generic loops (a SmolLM2 drafter: ~70 s a step against ~5 s
+    in fp32): training says so instead of running 14x slower without a word."""
+    import warnings
+
+    from dflash_compile.lowerings.cpu import host
+    from dflash_compile.training import TrainConfig
+    from dflash_compile.training.trainer import _check_autocast
+
+    monkeypatch.setattr(host, "cpu_flags", lambda: frozenset(flags))
+    for autocast, device, expect in [("bfloat16", "cpu", warns), (None, "cpu", False), ("float16", "cpu", False),
+                                     ("bfloat16", "meta", False)]:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            _check_autocast(TrainConfig(steps=1, autocast=autocast), torch.device(device))
+        assert [("without bf16 instructions" in str(w.message)) for w in seen] == ([True] if expect else []), \
+            (flags, autocast, device)
+
