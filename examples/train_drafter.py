@@ -163,7 +163,7 @@ def main(argv=None) -> int:
                                                            sliding_window=args.sliding_window)
     vocab = None
     if args.draft_vocab:
-        from dflash_compile.training.data import frequent_tokens, token_coverage
+        from dflash_compile.training.data import frequent_tokens
 
         V = target.config.get_text_config().vocab_size
         eot = [t for t in {tok.eos_token_id, target.generation_config.eos_token_id} if isinstance(t, int)]
@@ -171,13 +171,8 @@ def main(argv=None) -> int:
     draft = DFlashDraftModel.from_target(target, num_layers=args.layers, block_size=args.block_size, draft_vocab=vocab,
                                          mask_token_id=args.mask_token_id, tokenizer=tok, target_layer_ids=layer_ids,
                                          seed=args.seed, **window)
-    if args.init:  # its weights and, with a reduced vocabulary, its draft-to-target map
+    if args.init:  # its weights and, with a reduced vocabulary, its draft-to-target map (the trainer reports it)
         init_from(draft, DFlashDraftModel.from_pretrained(args.init, dtype=torch.float32), args.init)
-    if args.draft_vocab:
-        held = draft.d2t  # the data's most frequent tokens, or --init's map
-        print(f"draft vocabulary: {args.draft_vocab} of {V} tokens"
-              f"{' (from --init)' if args.init else ''}, {token_coverage(data, held, V):.2%} of the target's own "
-              f"tokens in the data", flush=True)
     print(f"drafter: {sum(p.numel() for p in draft.parameters()) / 1e6:.2f}M parameters, "
           f"target_layer_ids {list(draft.dflash_config.target_layer_ids)}, block {args.block_size}, "
           f"mask_token_id {draft.mask_token_id}", flush=True)

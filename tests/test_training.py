@@ -244,3 +244,27 @@ def test_corpus_prompts_refuses_signature_prompts_the_corpus_cannot_give(tmp_pat
         corpus_prompts(_char_tokenizer, [f], 4, len(_SOURCE), seed=0, signature_share=0.5)
     with pytest.raises(ValueError, match=r"signature_share must be in \[0, 1\]"):
         DataConfig(signature_share=1.5)
+
+
+def test_the_reported_draft_vocabulary_is_the_one_trained_with_resumed_included(tmp_path, capsys):
+    """The coverage line describes the drafter's own map: a resumed run reports its checkpoint's, not the data's
+    most frequent tokens (what the command line would choose afresh)."""
+    from dflash_compile.training.data import frequent_tokens, token_coverage
+
+    target, _ = _pair()
+    ds = _data(target, n=8)
+    rare = torch.arange(VOCAB - 32, VOCAB)  # a map the data seldom uses
+    _, draft = _pair(draft_vocab=rare)
+    cfg = TrainConfig(steps=2, batch_size=4, blocks_per_seq=2, lr=1e-3, warmup_steps=1, checkpoint_every=1, seed=0)
+    train_drafter(target, draft, ds, cfg, tmp_path, progress=False)
+    first = capsys.readouterr().out
+    want = f"{token_coverage(ds, rare, VOCAB):.2%}"
+    assert f"draft vocabulary: 32 of {VOCAB} tokens, {want} of" in first, first
+    fresh = frequent_tokens(ds, 32, VOCAB)  # what a fresh choice would be
+    assert f"{token_coverage(ds, fresh, VOCAB):.2%}" != want
+    _, again = _pair(draft_vocab=fresh)
+    train_drafter(target, again, ds, TrainConfig(**{**cfg.__dict__, "steps": 3}), tmp_path, resume=True,
+                  progress=False)
+    resumed = capsys.readouterr().out
+    assert "resumed from" in resumed and f"{want} of" in resumed, resumed
+    assert torch.equal(again.d2t, rare)

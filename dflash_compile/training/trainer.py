@@ -138,6 +138,12 @@ def train_drafter(
     opt = _optimizer(draft, cfg)
     gen = torch.Generator().manual_seed(cfg.seed)
     step, history = _resume(out_dir, draft, opt, gen) if resume else (0, [])
+    if draft.draft_vocab_size is not None:  # the map it trains with: chosen from the data, --init's or resumed
+        from .data import token_coverage
+
+        V = target.config.get_text_config().vocab_size
+        print(f"draft vocabulary: {draft.draft_vocab_size} of {V} tokens, "
+              f"{token_coverage(data, draft.d2t, V):.2%} of the target's own tokens in the data", flush=True)
     aux = AuxHiddenStates(target, draft.dflash_config.target_layer_ids)
     batches = _Batches(target, draft, data, cfg, features, aux, progress)
     bar = tqdm(total=cfg.steps, initial=step, desc="drafter", disable=not progress, mininterval=5)
