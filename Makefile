@@ -16,8 +16,12 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 demo: $(VENV)/.installed
 	$(PY) examples/demo.py
 
+# The suite is mostly single-threaded Python (tracing, code generation): one pytest worker per core (at most 4),
+# each on one thread unless OMP_NUM_THREADS says otherwise, a test file's tests together on one worker (its
+# module-scoped compiled wrappers shared as in one process).
+TEST_JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n > 4 ? 4 : n )))
 test: $(VENV)/.installed
-	$(PY) -m pytest -q --durations=30
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q --durations=30 -n $(TEST_JOBS) --dist loadfile
 
 # Hand-made drafting bugs, each applied to a copy of the repository: fails unless the suite catches every one.
 mutants: $(VENV)/.installed
