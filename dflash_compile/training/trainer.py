@@ -213,7 +213,7 @@ def _resume(out_dir: Path, draft, opt, gen) -> tuple[int, list]:
 
 def _check_autocast(cfg: TrainConfig, device: torch.device) -> None:
     """Warn when bf16 autocast is asked of a CPU without bf16 hardware: torch's bf16 matrix products then take slow
-    generic loops (the drafter's weight gradients among them), and fp32 trains faster there."""
+    generic loops (the backward's input-gradient products among them, measured), and fp32 trains faster there."""
     from ..lowerings.cpu.host import native_bf16
 
     if cfg.autocast == "bfloat16" and device.type == "cpu" and not native_bf16():
