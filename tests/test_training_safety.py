@@ -149,4 +149,3 @@ def test_bf16_autocast_on_a_cpu_without_bf16_instructions_warns(monkeypatch, fla
             _check_autocast(TrainConfig(steps=1, autocast=autocast), torch.device(device))
         assert [("without bf16 instructions" in str(w.message)) for w in seen] == ([True] if expect else []), \
             (flags, autocast, device)
-
