@@ -7,6 +7,9 @@
    median over ``--repeats`` passes of ``dflash_cpu.row_linear`` and of ``F.linear``, interleaved, per row count.
    A third column: the op on the same weights made GGUF-valued (quantised as the real file is, Q4_1 layers and a
    Q8_0 head, and dequantised to fp32 as transformers loads it), which it reads as block codes up to 4 rows.
+   Against two floors: reading the fp32 weights once at the rate of a 512 MB tensor's sum here, and the pass's
+   multiply-adds at the best fp32 rate this core reaches at all (MKL's square products of 1024 and 2048, its most
+   favourable shapes): no fp32 kernel does a pass in less than the larger of the two.
 2. The default pair's compiled step (SmolLM2 and its drafter, batch 1, a 128-token prompt): compiled with the
    kernel and with ``DFLASH_ROW_LINEAR=0`` (``aten.linear`` kept), each K timed through the same graphs, the two
    wrappers interleaved; ms per step, median of ``--repeats``.
@@ -41,6 +44,32 @@ def _as_gguf(weights: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
+def best_gemm_gflops(repeats: int) -> float:
+    """The best fp32 rate of this core (GFLOP/s): MKL's square products of 1024 and 2048, best of ``repeats``."""
+    best = 0.0
+    for n in (1024, 2048):
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        a @ b  # warm-up
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            a @ b
+            best = max(best, 2 * n**3 / (time.perf_counter() - t0) / 1e9)
+    return best
+
+
+def read_gbps(repeats: int, nbytes: int = 512 << 20) -> float:
+    """This machine's memory read rate (GB/s) for a stream like a pass's: the sum of a 512 MB fp32 tensor (a read
+    and a vector add per 8 values), best of ``repeats``."""
+    src = torch.ones(nbytes // 4)
+    src.sum()
+    best = 0.0
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        src.sum()
+        best = max(best, nbytes / (time.perf_counter() - t0) / 1e9)
+    return best
+
+
 def op_table(rows: list[int], repeats: int) -> list[dict]:
     from dflash_compile.lowerings.cpu import row_linear
 
@@ -50,6 +79,10 @@ def op_table(rows: list[int], repeats: int) -> list[dict]:
     weights = [torch.randn(n, k, generator=g) for _ in range(30) for n, k in SHAPES]
     weights.append(torch.randn(49152, 576, generator=g))
     coded = _as_gguf(weights)
+    params = sum(w.numel() for w in weights)
+    gflops, gbps = best_gemm_gflops(repeats), read_gbps(repeats)
+    print(f"this core: {gflops:.1f} GFLOP/s fp32 at best (MKL, square 2048), memory read {gbps:.1f} GB/s (sum of 512 MB)",
+          flush=True)
     out = []
     for m in rows:
         xs = {k: torch.randn(m, k, generator=g) for k in (576, 1536)}
@@ -77,9 +110,12 @@ def op_table(rows: list[int], repeats: int) -> list[dict]:
         r = {"rows": m, **{k: statistics.median(v) * 1e3 for k, v in times.items()}, "max_abs_diff": err}
         r["speedup"] = r["mkl"] / r["row_linear"]
         r["gguf_forms"] = sorted({torch.ops.dflash_cpu.row_linear_packed_form(w) for w in coded})
+        r["best_gflops"], r["read_gbps"] = gflops, gbps
+        r["compute_floor"] = 2 * m * params / gflops / 1e6  # ms: the multiply-adds at the core's best rate
+        r["stream_floor"] = 4 * params / gbps / 1e6  # ms: the fp32 weights read once
         print(f"rows {m:2d}: MKL {r['mkl']:.1f} ms, row_linear {r['row_linear']:.1f} ms ({r['speedup']:.2f}x), "
-              f"GGUF-valued weights {r['row_linear_gguf']:.1f} ms ({r['gguf_forms']}), max |diff| {err:.1e}",
-              flush=True)
+              f"GGUF-valued weights {r['row_linear_gguf']:.1f} ms ({r['gguf_forms']}), max |diff| {err:.1e}; "
+              f"floors: stream {r['stream_floor']:.1f} ms, compute {r['compute_floor']:.1f} ms", flush=True)
         out.append(r)
     return out
 
@@ -159,10 +195,15 @@ def markdown(result: dict) -> str:
              "", ("Every linear of SmolLM2-135M-Instruct (30 layers and the vocabulary projection, 538 MB, random "
                   "weights, streamed from memory), ms per pass:"), "",
              "| rows | MKL (`F.linear`) | `row_linear` | speed-up | max abs diff | `row_linear`, the same weights "
-             "GGUF-valued (Q4_1 layers, Q8_0 head) | forms packed |", "|---|---|---|---|---|---|---|"]
+             "GGUF-valued (Q4_1 layers, Q8_0 head) | forms packed | floor: fp32 stream | floor: multiply-adds |",
+             "|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['rows']} | {r['mkl']:.1f} | {r['row_linear']:.1f} | {r['speedup']:.2f}x | "
-              f"{r['max_abs_diff']:.1e} | {r['row_linear_gguf']:.1f} | {', '.join(r['gguf_forms'])} |"
-              for r in result["op"]]
+              f"{r['max_abs_diff']:.1e} | {r['row_linear_gguf']:.1f} | {', '.join(r['gguf_forms'])} | "
+              f"{r['stream_floor']:.1f} | {r['compute_floor']:.1f} |" for r in result["op"]]
+    r0 = result["op"][0]
+    lines += ["", f"Floors: the fp32 weights read once at {r0['read_gbps']:.1f} GB/s (the best sum of 512 MB "
+              f"here), and the pass's multiply-adds at {r0['best_gflops']:.1f} GFLOP/s (MKL's best, square 2048 "
+              "products): a pass takes at least the larger."]
     if "step" in result:
         lines += ["", "The default pair's compiled step, batch 1, 128-token prompt, ms per step:", "",
                   "| K | `row_linear` | `aten.linear` (`DFLASH_ROW_LINEAR=0`) | speed-up |", "|---|---|---|---|"]

@@ -125,6 +125,31 @@ def test_another_process_loads_the_saved_graph(saved, tmp_path):
         assert probes == []
 
 
+@pytest.mark.own_inductor_cache
+def test_compile_caches_share_inductors_cache_when_told(tmp_path, monkeypatch):
+    """By default a compile cache holds Inductor's cache (``inductor/``); with ``$DFLASH_INDUCTOR_CACHE_DIR`` another
+    compile cache compiling the same graph traces it and runs the DFlash passes again, and takes the compiled code
+    from AOTAutograd's cache there: no code generation, no C++ build, the same tokens."""
+    from torch._dynamo.utils import counters
+
+    prompt = random_prompts([9], 1)[0]
+    runs = []
+    for name in ("own", "shared"):
+        if name == "shared":  # point the second compile cache at the first one's Inductor cache
+            monkeypatch.setenv("DFLASH_INDUCTOR_CACHE_DIR", str(tmp_path / "own" / "inductor"))
+        counters.clear()
+        target, spec = _pair()
+        spec.compile(backend="dflash", cache_dir=tmp_path / name)
+        assert _new_tokens(spec, prompt, 16) == _reference(target, prompt, 16)
+        assert [how for _, how, _ in spec.compiled_steps.events] == ["compiled"]
+        runs.append((dict(counters["aot_autograd"]), sum(counters["dflash"].values())))
+    (own, own_passes), (shared, shared_passes) = runs
+    assert own.get("autograd_cache_miss", 0) >= 1 and own.get("autograd_cache_hit", 0) == 0
+    assert shared.get("autograd_cache_hit", 0) == own["autograd_cache_miss"] and shared.get("autograd_cache_miss", 0) == 0
+    assert shared_passes == own_passes > 0  # traced and rewritten again
+    assert (tmp_path / "own" / "inductor").is_dir() and not (tmp_path / "shared" / "inductor").exists()
+
+
 def test_a_parameter_changed_before_the_first_call_is_caught_without_its_guard(saved, tmp_path, caplog):
     """Saved steps keep no tensor guards on parameters (``step_guards``: building them was most of a graph's load);
     the fingerprint holds every parameter's shape, dtype, strides and device, and a key's first call checks them:

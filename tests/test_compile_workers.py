@@ -47,6 +47,7 @@ def _generate(spec, prompts):
             for p in prompts]
 
 
+@pytest.mark.own_inductor_cache  # each child runs Inductor (the run's shared cache may hold these graphs)
 def test_two_graphs_compile_in_two_child_processes_and_run_here(compiling_pids, tmp_path):
     target, spec = _pair()
     prompts = random_prompts([9, 17], seed=3)

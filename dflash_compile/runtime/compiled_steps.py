@@ -19,11 +19,11 @@ source, the backend and its options, torch's compiler settings (``compiler_setti
 parameter shapes and dtypes, the wrapper's pool geometry, the device (CPU: the architecture, ATen's CPU capability, the
 CPU's feature flags and the intra-op thread count; CUDA: the GPU's name and capability) — and one file per key, plus
 ``inductor/``: Inductor's own cache while it compiles or loads a step (the C++/Triton binaries a saved graph loads), so
-that a copy of the directory carries them. The weights' values are not in the fingerprint: the graphs read the
-parameters at every call, so a pair with other weights of the same shapes reuses them. Each file carries its key and a
-SHA-256 of the payload; an entry that is corrupted, truncated, for another key or rejected by its own guards is ignored
-with one warning line and compiled again (and rewritten). Only backends given by name are cached on disk; a backend
-callable is compiled in memory.
+that a copy of the directory carries them (``$DFLASH_INDUCTOR_CACHE_DIR``: one Inductor cache for every compile
+cache). The weights' values are not in the fingerprint: the graphs read the parameters at every call, so a pair with
+other weights of the same shapes reuses them. Each file carries its key and a SHA-256 of the payload; an entry that is
+corrupted, truncated, for another key or rejected by its own guards is ignored with one warning line and compiled
+again (and rewritten). Only backends given by name are cached on disk; a backend callable is compiled in memory.
 
 A key with no graph yet does what ``on_miss`` says: compile it now (default), run the eager step, compile it on a
 background thread while the eager step serves, or raise.
@@ -57,6 +57,7 @@ from .step_keys import StepKey, StepKeys, size_oblivious
 log = logging.getLogger(__name__)
 
 CACHE_DIR_ENV = "DFLASH_COMPILE_CACHE_DIR"
+INDUCTOR_DIR_ENV = "DFLASH_INDUCTOR_CACHE_DIR"
 ON_MISS = ("compile", "eager", "background", "error")
 STATIC_CONTEXT_BACKENDS = ("dflash_neuron",)
 OWN_BACKENDS = ("dflash", "dflash_neuron")  # this package's (entry points in pyproject.toml)
@@ -70,6 +71,16 @@ def default_cache_dir() -> Path:
         return Path(os.environ[CACHE_DIR_ENV])
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "dflash_compile"
+
+
+def inductor_cache_dir(cache_dir: Path) -> Path:
+    """Inductor's own cache for the graphs of compile cache ``cache_dir`` (generated code, the C++/Triton binaries a
+    saved graph loads, AOTAutograd's and Inductor's graph caches): ``cache_dir/inductor``, so that a copy of the
+    compile cache carries its binaries; or ``$DFLASH_INDUCTOR_CACHE_DIR``, one Inductor cache for every compile
+    cache of the process (a graph compiled for one cache is then not code-generated or built again for another:
+    Inductor's caches are keyed by the graph, its inputs and the compiler's settings)."""
+    shared = os.environ.get(INDUCTOR_DIR_ENV)
+    return Path(shared) if shared else cache_dir / "inductor"
 
 
 def package_sources() -> list[Path]:
@@ -323,9 +334,9 @@ class CompiledSteps:
         self.dynamic_context = (backend not in STATIC_CONTEXT_BACKENDS) if dynamic_context is None else dynamic_context
         self.keys = StepKeys(spec, self.dynamic_context, regions)
         self.cache_dir = None if not isinstance(backend, str) else Path(cache_dir) if cache_dir else default_cache_dir()
-        # Inductor's own cache (the compiled C++/Triton binaries a saved graph loads) lives in the compile cache too
-        # while it compiles or loads a step, so that copying the compile cache carries them.
-        self.inductor_dir = None if self.cache_dir is None else self.cache_dir / "inductor"
+        # Inductor's own cache (the compiled C++/Triton binaries a saved graph loads), in force while a step compiles
+        # or loads: by default inside the compile cache, so that copying the compile cache carries them
+        self.inductor_dir = None if self.cache_dir is None else inductor_cache_dir(self.cache_dir)
         self._fns: dict[StepKey, object] = {}
         self._prepacking = None  # the helper thread packing the CPU kernel's weight copies (``_prepack``)
         self._checked: set[StepKey] = set()
