@@ -11,8 +11,8 @@
    multiply-adds at the best fp32 rate this core reaches at all (MKL's square products of 1024 and 2048, its most
    favourable shapes): no fp32 kernel does a pass in less than the larger of the two.
 2. The default pair's compiled step (SmolLM2 and its drafter, batch 1, a 128-token prompt): compiled with the
-   kernel and with ``DFLASH_ROW_LINEAR=0`` (``aten.linear`` kept), each K timed through the same graphs, the two
-   wrappers interleaved; ms per step, median of ``--repeats``.
+   kernel and with ``DFLASH_ROW_LINEAR=0`` (``aten.linear`` kept), each K timed through the same graphs (K = 0: the
+   plain step, no proposal), the two wrappers interleaved; ms per step, median of ``--repeats``.
 """
 
 from __future__ import annotations
@@ -81,8 +81,8 @@ def op_table(rows: list[int], repeats: int) -> list[dict]:
     coded = _as_gguf(weights)
     params = sum(w.numel() for w in weights)
     gflops, gbps = best_gemm_gflops(repeats), read_gbps(repeats)
-    print(f"this core: {gflops:.1f} GFLOP/s fp32 at best (MKL, square 2048), memory read {gbps:.1f} GB/s (sum of 512 MB)",
-          flush=True)
+    print(f"this core: {gflops:.1f} GFLOP/s fp32 at best (MKL, square 1024/2048 products), memory read {gbps:.1f} GB/s "
+          "(sum of 512 MB)", flush=True)
     out = []
     for m in rows:
         xs = {k: torch.randn(m, k, generator=g) for k in (576, 1536)}
@@ -115,7 +115,7 @@ def op_table(rows: list[int], repeats: int) -> list[dict]:
         r["stream_floor"] = 4 * params / gbps / 1e6  # ms: the fp32 weights read once
         print(f"rows {m:2d}: MKL {r['mkl']:.1f} ms, row_linear {r['row_linear']:.1f} ms ({r['speedup']:.2f}x), "
               f"GGUF-valued weights {r['row_linear_gguf']:.1f} ms ({r['gguf_forms']}), max |diff| {err:.1e}; "
-              f"floors: stream {r['stream_floor']:.1f} ms, compute {r['compute_floor']:.1f} ms", flush=True)
+              f"floors: read {r['stream_floor']:.1f} ms, multiply-adds {r['compute_floor']:.1f} ms", flush=True)
         out.append(r)
     return out
 
@@ -142,9 +142,9 @@ def step_table(ks: list[int], repeats: int) -> list[dict]:
         spec.compile(backend="dflash", fullgraph=True, cache_dir=cache / name)
         block, *rest = step_inputs(spec, 1, 128)
         with torch.no_grad():
-            for k in ks:  # compiles the K = 0 graph and the one graph of every K >= 1
+            for k in ks:  # compiles the K = 0 graph (plain decoding, no proposal) and the one graph of every K >= 1
                 t0 = time.perf_counter()
-                spec.step(block[:, : k + 1].contiguous(), *rest)
+                spec.step(block[:, : k + 1].contiguous(), *rest, propose=k > 0)
                 print(f"{name}: K {k} first call {time.perf_counter() - t0:.1f} s", flush=True)
         from torch._dynamo.utils import counters
 
@@ -162,9 +162,9 @@ def step_table(ks: list[int], repeats: int) -> list[dict]:
                 for name, spec in specs.items():
                     block, rest = inputs[name]
                     args = (block[:, : k + 1].contiguous(), *rest)
-                    spec.step(*args)  # warm
+                    spec.step(*args, propose=k > 0)  # warm
                     t0 = time.perf_counter()
-                    spec.step(*args)
+                    spec.step(*args, propose=k > 0)
                     times[name].append(time.perf_counter() - t0)
         r = {"K": k, **{n: statistics.median(v) * 1e3 for n, v in times.items()}}
         print(f"step K {k}: row_linear {r['row_linear']:.1f} ms, aten.linear {r['aten.linear']:.1f} ms "
@@ -195,15 +195,16 @@ def markdown(result: dict) -> str:
              "", ("Every linear of SmolLM2-135M-Instruct (30 layers and the vocabulary projection, 538 MB, random "
                   "weights, streamed from memory), ms per pass:"), "",
              "| rows | MKL (`F.linear`) | `row_linear` | speed-up | max abs diff | `row_linear`, the same weights "
-             "GGUF-valued (Q4_1 layers, Q8_0 head) | forms packed | floor: fp32 stream | floor: multiply-adds |",
+             "GGUF-valued (Q4_1 layers, Q8_0 head) | forms packed | floor: read the fp32 weights | "
+             "floor: multiply-adds |",
              "|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['rows']} | {r['mkl']:.1f} | {r['row_linear']:.1f} | {r['speedup']:.2f}x | "
               f"{r['max_abs_diff']:.1e} | {r['row_linear_gguf']:.1f} | {', '.join(r['gguf_forms'])} | "
               f"{r['stream_floor']:.1f} | {r['compute_floor']:.1f} |" for r in result["op"]]
     r0 = result["op"][0]
     lines += ["", f"Floors: the fp32 weights read once at {r0['read_gbps']:.1f} GB/s (the best sum of 512 MB "
-              f"here), and the pass's multiply-adds at {r0['best_gflops']:.1f} GFLOP/s (MKL's best, square 2048 "
-              "products): a pass takes at least the larger."]
+              f"here), and the pass's multiply-adds at {r0['best_gflops']:.1f} GFLOP/s (MKL's best, square 1024 and "
+              "2048 products): a pass takes at least the larger."]
     if "step" in result:
         lines += ["", "The default pair's compiled step, batch 1, 128-token prompt, ms per step:", "",
                   "| K | `row_linear` | `aten.linear` (`DFLASH_ROW_LINEAR=0`) | speed-up |", "|---|---|---|---|"]
