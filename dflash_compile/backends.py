@@ -366,8 +366,10 @@ def _inductor(gm, example_inputs, options):
         opts.update({**COLLECTIVE_INDUCTOR_OPTIONS, **(options or {})})
         counters["dflash"]["waited_collectives"] += waited_collectives(gm)  # complete before any read
     from .cpp_units import one_unit_per_graph
+    from .tiling_analysis import exact_shortcut
 
-    with inductor_config.patch(opts), one_unit_per_graph():  # one C++ build per graph (cpp_units.py)
+    # one C++ build per graph (cpp_units.py); no sympy.simplify of polynomial indices in the tiling analysis
+    with inductor_config.patch(opts), one_unit_per_graph(), exact_shortcut():
         compiled = compile_fx(gm, example_inputs)
     if not kept:
         return compiled

@@ -74,6 +74,10 @@ def compile_in_workers(steps, keys: list, workers: int, done) -> dict:
     from . import openmp
 
     steps.folder()  # settled before the fork: children save where this process loads
+    if steps.vec_isa_record() is not None:
+        from . import vec_isa
+
+        vec_isa.probe()  # here, once, rather than in every child (vec_isa.py)
     queue, running, saved = list(keys), {}, {}
     try:
         while queue or running:

@@ -52,6 +52,7 @@ import torch
 
 from .compile_workers import check_workers, compile_in_workers, default_workers, parallel_workers
 from .regions import compile_regions
+from . import vec_isa
 from .step_keys import StepKey, StepKeys, size_oblivious
 
 log = logging.getLogger(__name__)
@@ -175,7 +176,7 @@ def fingerprint(spec, backend: str, mode, options: dict, regions: bool = False) 
 #: dynamo settings the step's compile sets itself (``_compile``, ``_InProcessStep``), or reads only to set its
 #: recompile limit: a user's value never reaches the graph
 _SET_BY_THE_STEP = frozenset({"dynamo.automatic_dynamic_shapes", "dynamo.recompile_limit",
-                              "dynamo.accumulated_recompile_limit"})
+                              "dynamo.accumulated_recompile_limit", "inductor.cpp.vec_isa_ok"})
 _A_PATH = re.compile(r"(^|_)(dir|path|root)$")  # a setting's last name part: base_dir, debug_dir_root, output_path
 
 
@@ -569,8 +570,10 @@ class CompiledSteps:
         start = time.perf_counter()
         backend = _serializable(_backend_callable(self.backend, self.mode, self.options))
         regions = compile_regions(self.keys.region_types, self.spec.target)
+        if self.vec_isa_record() is not None:
+            vec_isa.probe()  # once per machine (a forked worker finds its parent's record)
         with _TRACING, self._inductor_cache(), torch.no_grad(), regions, fewer_collections(), self._units_index(), \
-                torch._dynamo.config.patch(automatic_dynamic_shapes=False), size_oblivious():
+                torch._dynamo.config.patch(automatic_dynamic_shapes=False), size_oblivious(), vec_isa.trusted():
             compiled = torch.compile(self.spec.dflash_step, backend=backend, fullgraph=True, dynamic=False, options={
                 "guard_filter_fn": functools.partial(
                     step_guards, parameters=self.spec.tp is not None or self.cache_dir is None)})
@@ -665,10 +668,8 @@ class CompiledSteps:
             atomic_write_binary(str(folder / key.filename), blob)
             isa = self.vec_isa_record()
             if isa is not None and not isa.exists() and "torch._inductor.cpu_vec_isa" in sys.modules:
-                from torch._inductor.cpu_vec_isa import pick_vec_isa
-
-                picked = pick_vec_isa()  # falsy when Inductor found no ISA it can build: nothing is skipped then
-                atomic_write_binary(str(isa), json.dumps({"isa": str(picked) if picked else ""}).encode())
+                # "" when Inductor found no ISA it can build: nothing is skipped then
+                atomic_write_binary(str(isa), json.dumps({"isa": vec_isa.picked()}).encode())
         except OSError as e:
             self._say_once("unwritable", "dflash: cannot write the compile cache at %s (%s); compiled steps stay "
                            "in memory", folder, e)
