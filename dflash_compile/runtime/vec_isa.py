@@ -12,6 +12,7 @@ A probe that passed is recorded once per machine, under Inductor's default cache
 the precompiled prelude, which every folder shares), keyed by those three; a process that finds the record tells
 Inductor the check passed (``cpp.vec_isa_ok``, as a warm load does with the folder's own record). A probe that
 found no ISA is not recorded: such a machine probes again next time, and Inductor builds scalar code, as before.
+The further checks some ISAs make after theirs passed (AVX-512's BF16 and VNNI instructions, AMX) still run.
 """
 
 from __future__ import annotations
