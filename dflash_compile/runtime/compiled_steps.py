@@ -50,9 +50,9 @@ from pathlib import Path
 
 import torch
 
+from . import vec_isa
 from .compile_workers import check_workers, compile_in_workers, default_workers, parallel_workers
 from .regions import compile_regions
-from . import vec_isa
 from .step_keys import StepKey, StepKeys, size_oblivious
 
 log = logging.getLogger(__name__)

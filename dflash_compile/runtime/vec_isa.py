@@ -2,10 +2,10 @@
 
 Before Inductor generates CPU code it picks the widest vector ISA the CPU reports and checks that the compiler
 builds, and the process loads, code for it: a test program compiled into Inductor's cache, then loaded by a child
-Python (``torch._inductor.cpu_vec_isa.VecISA.check_build``). A cold compile pays it in every process that compiles,
-and the compile cache keeps Inductor's cache per folder, so every new folder compiled the test program again: ~4.3 s
-on this project's 2-core AVX2 machine (3.6 s of g++, 0.7 s for the loading child), paid by each forked compile
-worker, on the critical path of each graph.
+Python (``torch._inductor.cpu_vec_isa.VecISA.check_build``). Every process that compiles pays the loading child
+(0.7 s on this project's 2-core AVX2 machine), and the test program's build (3.6 s) wherever the Inductor cache in
+effect at the first check lacks it: the compile cache keeps Inductor's cache per folder, so a probe inside a new
+folder built it again. Forked compile workers each probed, on the critical path of their graph.
 
 What the probe establishes depends on the machine, not the folder: the CPU's feature flags, the compiler and torch.
 A probe that passed is recorded once per machine, under Inductor's default cache directory (where it also keeps
