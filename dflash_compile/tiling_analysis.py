@@ -12,9 +12,9 @@ A polynomial index (sums and products of loop variables, sizes and constants: no
 function) has nothing to rewrite, and simplifying it cannot change the stride computed from it: ``stride_at``
 simplifies ``index(var + 1) - index(var)`` itself, a polynomial in both cases, equal as a polynomial whether or
 not the index was simplified first. So while :func:`exact_shortcut` is open such an index is returned as it is;
-every other index takes Inductor's own path. Only the analysis is
-shortened: Inductor generates code from the original index (``tests/test_tiling_analysis.py`` compiles graphs with
-and without the shortcut and compares the generated C++).
+every other index takes Inductor's own path. Only the analysis is shortened: Inductor generates code from the
+original index (``tests/test_tiling_analysis.py`` compiles a graph with and without the shortcut and compares the
+generated modules, their C++ included).
 """
 
 from __future__ import annotations
