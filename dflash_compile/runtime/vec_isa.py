@@ -74,10 +74,8 @@ def picked() -> str:
 def probe() -> str:
     """Run the probe now unless this machine's record has it, and record a pass: before forking compile workers,
     so that they inherit the result instead of each compiling the test program. Returns the ISA ("" for none)."""
-    if passed_here():
-        return picked()
     isa = picked()
-    if isa:
+    if isa and not passed_here():
         _record(isa)
     return isa
 
