@@ -42,8 +42,8 @@ class OracleDrafter(DFlashDraftModel):
             out.append(tok)
         return out[:K]
 
-    def forward(self, block_ids, block_positions, ctx_k, ctx_v, ctx_lens):
-        logits = super().forward(block_ids, block_positions, ctx_k, ctx_v, ctx_lens)  # [Bk, K, V]
+    def _draft(self, block_ids, block_positions, *args):  # under both forms, ``forward`` and the step's paged one
+        logits = super()._draft(block_ids, block_positions, *args)  # [Bk, K, V]
         K, V = logits.shape[1:]
         pos = block_positions[:, 0]
         forced = pos % self.block_size  # how many leading drafts are the oracle's

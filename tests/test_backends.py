@@ -101,16 +101,18 @@ def test_step_after_passes_keeps_only_dflash_ops_for_the_hot_patterns():
     assert not left, left
 
 
-def test_repeated_target_layers_compile_as_one_region_with_the_passes_inside():
-    # With regions (the default) the step graph calls one subgraph from every target layer; the passes run inside
-    # it (the pool write is replaced there, once for all layers) and on the step around it (the drafter's ops).
-    # Dynamo traces the first layer alone and stamps the others out of it (each layer hands the region its own
-    # pool, not the whole cache, so torch's subgraph reuse applies).
+def test_repeated_layers_compile_as_one_region_each_with_the_passes_inside():
+    # With regions (the default for deep targets) the step graph calls one subgraph from every target layer and one
+    # from every drafter layer; the passes run inside them (the target's pool write, once for all its layers; each
+    # region's attention) and on the step around them (the drafter's fused projection and pool write). Dynamo
+    # traces the first layer of each class alone and stamps the others out of it (each layer hands its region its
+    # own pool, not the whole cache, so torch's subgraph reuse applies).
     from torch._dynamo.utils import compilation_time_metrics, counters
 
+    from dflash_compile.models.draft_model import DFlashDecoderLayer
     from dflash_compile.passes import graph_modules
 
-    n_target, n_draft = 4, 2
+    n_target, n_draft = 4, 3
     target = tiny_target("qwen3", num_hidden_layers=n_target)
     draft = DFlashDraftModel.from_target(target, num_layers=n_draft, block_size=4, target_layer_ids=[0, 3], seed=0)
     kw = dict(max_batch_size=2, batch_buckets=(2,), max_seq_len=32, page_size=8)
@@ -125,35 +127,40 @@ def test_repeated_target_layers_compile_as_one_region_with_the_passes_inside():
     counters.clear()
     compilation_time_metrics.clear()
     spec.compile(backend=capture, fullgraph=True, regions=True)  # (by default only stacks of 16 layers and more)
-    assert spec.compiled_steps.keys.regions and spec.compiled_steps.keys.region_types == [type(target.model.layers[0])]
+    layer = type(target.model.layers[0])
+    assert spec.compiled_steps.keys.region_types == [layer, DFlashDecoderLayer]
     ref = DFlashSpecWrapper(target, draft, 3, **kw)
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
     assert torch.equal(spec.generate(prompts, max_new_tokens=8, pad_token_id=VOCAB - 2),
                        ref.generate(prompts, max_new_tokens=8, pad_token_id=VOCAB - 2))
-    assert "forward" not in vars(type(target.model.layers[0])) or not hasattr(
-        type(target.model.layers[0]).forward, "__marked_compile_region_fn__")  # the mark is gone after tracing
+    for kind, method in ((layer, "forward"), (DFlashDecoderLayer, "paged_forward")):  # the marks are gone
+        assert method not in vars(kind) or not hasattr(vars(kind)[method], "__marked_compile_region_fn__")
     assert len(graphs) == 1
     traced = len(compilation_time_metrics["invoke_subgraph_trace"])
     stamped = len(compilation_time_metrics["invoke_subgraph_reuse_stamp_out"])
-    assert (traced, stamped) == (1, n_target - 1)
+    assert (traced, stamped) == (2, n_target - 1 + n_draft - 1)
     top, *subs = graph_modules(graphs[0])
     calls = top.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph)
-    assert len(calls) == n_target and len(subs) == 1 and {n.args[0].target for n in calls} == {"repeated_subgraph0"}
-    assert counters["dflash"]["region_calls"] == n_target and counters["dflash"]["region_subgraphs"] == 1
-    assert counters["dflash"]["paged_kv_write"] == 2  # one inside the region (every layer's), one the drafter's
+    per_subgraph = Counter(n.args[0].target for n in calls)
+    assert len(subs) == 2 and sorted(per_subgraph.values()) == [n_draft, n_target]
+    assert counters["dflash"]["region_calls"] == n_target + n_draft and counters["dflash"]["region_subgraphs"] == 2
+    assert counters["dflash"]["paged_kv_write"] == 2  # one inside the target's region (every layer's), the drafter's
 
     def dflash_ops(gm):
         return Counter(str(n.target) for n in gm.graph.nodes if str(n.target).startswith("dflash."))
 
-    assert dflash_ops(subs[0]) == {"dflash.paged_kv_write.default": 1, "dflash.block_attention.default": 1}
-    assert dflash_ops(top) == {"dflash.fused_kv_proj.default": 1, "dflash.paged_kv_write.default": 1,
-                               "dflash.block_attention.default": n_draft}
-    assert counters["dflash"]["block_attention"] == 1 + n_draft
-    # the target's mask enters the region as an input: the pass reads it where the step made it, and the region
-    # reads the block table, lengths and positions instead (no SDPA, no gather of pool rows, no mask inside)
+    by_calls = {getattr(top, name): n for name, n in per_subgraph.items()}
+    target_sub, draft_sub = sorted(subs, key=lambda m: by_calls[m] != n_target)
+    assert dflash_ops(target_sub) == {"dflash.paged_kv_write.default": 1, "dflash.block_attention.default": 1}
+    assert dflash_ops(draft_sub) == {"dflash.block_attention.default": 1}
+    assert dflash_ops(top) == {"dflash.fused_kv_proj.default": 1, "dflash.paged_kv_write.default": 1}
+    assert counters["dflash"]["block_attention"] == 2  # one a region, however many layers call it
+    # each mask enters its region as an input: the pass reads it where the step made it, and the region reads the
+    # block table, lengths and positions instead (no SDPA, no gather of pool rows, no mask inside)
     gone = ("scaled_dot_product", "index_put", "aten.index.")
-    assert not any(g in str(n.target) for g in gone for m in (top, subs[0]) for n in m.graph.nodes)
-    assert all(len(n.args) == len(calls[0].args) for n in calls)
+    assert not any(g in str(n.target) for g in gone for m in (top, *subs) for n in m.graph.nodes)
+    for sub in subs:
+        assert len({len(n.args) for n in calls if getattr(top, n.args[0].target) is sub}) == 1
 
 
 def test_graphs_with_regions_run_without_inductors_size_asserts():

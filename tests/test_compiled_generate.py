@@ -81,18 +81,19 @@ def _compiled_equals_eager(family_pair, backend, regions=False):
     assert counters["stats"]["unique_graphs"] == 2  # buckets 1 and 8: one graph each
     assert not counters["graph_break"]
     # Every pass fired in each of the two step graphs: the drafter's projection once, a scatter and an attention
-    # per target layer and per drafter.
-    # Within a region a replacement counts once for all the layers that call it.
+    # per target layer, a scatter for the drafter and an attention per drafter layer.
+    # Within a region a replacement counts once for all the layers that call it (the drafter's layers: one region).
     n_target = per_graph = len(target.model.layers)
+    n_draft = draft_attention = len(draft.layers)
     if regions:
-        per_graph = {"gemma3": 2}.get(family, 1)
-        assert counters["dflash"].pop("region_calls") == 2 * n_target
-        assert counters["dflash"].pop("region_subgraphs") == 2 * per_graph
+        per_graph, draft_attention = {"gemma3": 2}.get(family, 1), 1
+        assert counters["dflash"].pop("region_calls") == 2 * (n_target + n_draft)
+        assert counters["dflash"].pop("region_subgraphs") == 2 * (per_graph + 1)
         assert counters["dflash"].pop("region_splits", 0) == 2 * (per_graph - 1)
         # Inductor's Python wrapper (a graph calling regions): each graph's C++ kernels built as one unit
         assert counters["dflash"].pop("cpp_units") == 2 and counters["dflash"].pop("cpp_unit_kernels") > 2 * 2
     assert dict(counters["dflash"]) == {
-        "fused_kv_proj": 2, "paged_kv_write": 2 * (per_graph + 1), "block_attention": 2 * (per_graph + 2),
+        "fused_kv_proj": 2, "paged_kv_write": 2 * (per_graph + 1), "block_attention": 2 * (per_graph + draft_attention),
     }
     assert set(counters["dflash"]) == set(PASS_NAMES)
     again = _run(spec, prompts["again"])  # warm: new prompts, same buckets, no recompile (counted below)

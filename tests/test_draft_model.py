@@ -99,6 +99,13 @@ def test_draft_forward_matches_fp64_transcription(family, num_kv):
         ref = reference_draft_logits(target, draft, prompts[row:row + 1], block[row:row + 1], block_pos[row],
                                      int(ctx_lens[row]))
         assert (got[row] - ref).abs().max().item() <= 1e-9, row
+    # the compiled step's form: each layer gathers its context K/V from a paged pool inside the layer
+    L, _, S, Hkv, D = k.shape
+    slots = torch.randperm(40)[:2 * S].view(2, S)  # each row's context at scattered slots of a 40-slot pool
+    pool = torch.randn(L, 2, 40, Hkv, D, dtype=torch.float64)  # the unused slots hold values that must not leak
+    pool[:, 0, slots], pool[:, 1, slots] = k, v
+    paged = draft.forward_paged(block, block_pos, pool, slots, ctx_lens)
+    assert (paged - got).abs().max().item() <= 1e-12
 
 
 def test_borrows_target_modules():

@@ -102,9 +102,19 @@ class DFlashDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tp_group = None  # split over ranks (``DFlashDraftModel.split``): the partial outputs are summed
 
+    #: The method the step calls and regional compilation marks (``runtime/regions.py``): the paged form, whose
+    #: gather of context K/V from the pool runs inside the layer, where the ``block_attention`` pass finds it.
+    region_method = "paged_forward"
+
     def forward(self, h, cos, sin, ctx_k, ctx_v, mask):
         h = h + self._sum(self.self_attn(self.input_layernorm(h), cos, sin, ctx_k, ctx_v, mask))
         return h + self._sum(self.mlp(self.post_attention_layernorm(h)))
+
+    def paged_forward(self, h, cos, sin, pool, read, mask):
+        """``forward`` with this layer's context K/V read from its pool: ``pool [2, slots, Hkv, D]`` (K, then V)
+        at the slots ``read [B, S]``."""
+        kv = pool[:, read]  # [2, B, S, Hkv, D]
+        return self.forward(h, cos, sin, kv[0], kv[1], mask)
 
     def _sum(self, partial: torch.Tensor) -> torch.Tensor:
         """This rank's heads' (or MLP columns') share of a row-parallel output, summed over the ranks."""
@@ -334,11 +344,30 @@ class DFlashDraftModel(nn.Module):
         ``[L, B, S, Hkv, D]`` from ``context_kv``, the context key of position ``p`` at index ``p``, valid for
         ``p < ctx_lens[b]``. Returns ``[B, Q - 1, V]``: the logits for block positions ``1..Q-1``.
         """
+        return self._draft(block_ids, block_positions, ctx_lens, ctx_k.shape[2],
+                           lambda i, layer, h, cos, sin, mask: layer(h, cos, sin, ctx_k[i], ctx_v[i], mask))
+
+    def forward_paged(
+        self,
+        block_ids: torch.Tensor,
+        block_positions: torch.Tensor,
+        pool: torch.Tensor,
+        read: torch.Tensor,
+        ctx_lens: torch.Tensor,
+    ) -> torch.Tensor:
+        """``forward`` over a paged cache (the compiled step's form): ``pool [L, 2, slots, Hkv, D]`` holds every
+        layer's context K and V, and each layer reads its own at the slots ``read [B, S]`` (the context key of
+        position ``p`` at column ``p``, valid for ``p < ctx_lens[b]``) inside ``paged_forward``."""
+        return self._draft(block_ids, block_positions, ctx_lens, read.shape[1],
+                           lambda i, layer, h, cos, sin, mask: layer.paged_forward(h, cos, sin, pool[i], read, mask))
+
+    def _draft(self, block_ids, block_positions, ctx_lens, num_ctx: int, run_layer) -> torch.Tensor:
+        """The drafter's pass over a block; ``run_layer(i, layer, h, cos, sin, mask)`` runs layer ``i``."""
         h = self.embed_tokens(block_ids)
         cos, sin = self.rotary_emb(h, block_positions)
-        masks = self.attention_mask(ctx_lens, ctx_k.shape[2], block_positions)
+        masks = self.attention_mask(ctx_lens, num_ctx, block_positions)
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, ctx_k[i], ctx_v[i], masks[i])
+            h = run_layer(i, layer, h, cos, sin, masks[i])
         return self.to_target_vocab(self.head(self.norm(h[:, 1:])))
 
     def forward_blocks(

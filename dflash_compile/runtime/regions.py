@@ -1,5 +1,5 @@
-"""Regional compilation: every distinct decoder layer of the target traced and compiled once (the drafter's few
-layers stay inline: its attention pattern spans the pool gather made outside its layers).
+"""Regional compilation: every distinct decoder layer of the target, and of the drafter with it, traced and compiled
+once.
 
 A decoder stack repeats one layer class ``L`` times (30 times in SmolLM2-135M). Traced inline, the step graph holds
 ``L`` copies of the layer, and Inductor lowers, generates and builds C++ for each copy. Inside ``compile_regions``
@@ -7,7 +7,10 @@ each repeated layer class's ``forward`` is marked as torch's nested compile regi
 (``torch.compiler.nested_compile_region``): dynamo traces a layer once into an ``invoke_subgraph`` subgraph and
 calls that subgraph from every layer with the layer's own parameters and caches as inputs; the DFlash passes and
 lowerings run inside the subgraph (``backends.dflash_passes``, ``lower``), and Inductor generates its code once.
-Layers whose traced graphs differ (a sliding-window layer among full-attention ones) get a subgraph each.
+Layers whose traced graphs differ (a sliding-window layer among full-attention ones) get a subgraph each. The
+drafter's layer class marks its paged method instead (``region_method``: ``DFlashDecoderLayer.paged_forward``, which
+gathers the layer's context K/V from its pool inside the region), so the ``block_attention`` pass finds the gather
+and the attention in one subgraph.
 
 Each layer hands its region its own pool and slot tensors rather than the whole cache (``_paged_region``), so dynamo
 traces the first layer and stamps every other one out of that trace (torch's subgraph reuse: its arguments must be
@@ -112,8 +115,9 @@ def compile_regions(kinds: list[type], model: nn.Module | None = None):
         for module, index in indices.items():
             setattr(module, CACHE_INDEX, index)
         for kind in kinds:
-            own = vars(kind).get("forward", _MISSING)
-            forward = kind.forward
+            method = region_method(kind)
+            own = vars(kind).get(method, _MISSING)
+            forward = getattr(kind, method)
             whole = torch.compiler.nested_compile_region(forward)
             paged = _paged_region(kind, forward, sum(type(m) is kind for m in indices))
 
@@ -128,16 +132,22 @@ def compile_regions(kinds: list[type], model: nn.Module | None = None):
                 rest = {key: value for key, value in kwargs.items() if key != name}
                 return _paged(self, entry.pool, entry.write, entry.read, name, *args, **rest)
 
-            # wraps: the region keeps forward's name, which torch's saved graph uses to find the method again
-            kind.forward = functools.wraps(forward)(region_call)
-            saved.append((kind, own))
+            # wraps: the region keeps the method's name, which torch's saved graph uses to find the method again
+            setattr(kind, method, functools.wraps(forward)(region_call))
+            saved.append((kind, method, own))
         yield
     finally:
-        for kind, own in reversed(saved):
+        for kind, method, own in reversed(saved):
             if own is _MISSING:
-                del kind.forward
+                delattr(kind, method)
             else:
-                kind.forward = own
+                setattr(kind, method, own)
         for module in indices:
             if CACHE_INDEX in vars(module):
                 delattr(module, CACHE_INDEX)
+
+
+def region_method(kind: type) -> str:
+    """The method of ``kind`` marked as the region: ``forward``, or the one the class names in ``region_method``
+    (the drafter's layer: ``paged_forward``, which gathers its context K/V from the pool inside the region)."""
+    return getattr(kind, "region_method", "forward")

@@ -65,14 +65,19 @@ class StepKeys:
 
     @functools.cached_property
     def region_types(self) -> list[type]:
-        """The target's layer classes compiled as nested compile regions (``regions.py``). ``regions=True``: every
-        repeated class; None (default): classes repeated ``DEFAULT_MIN_REPEATS`` times, except in tensor-parallel
-        targets (their collectives run inside the layers; the collective graph settings are the top graph's) and
-        targets with recurrent layers (not tried as regions); False: none."""
+        """The layer classes compiled as nested compile regions (``regions.py``). The target's: ``regions=True``:
+        every repeated class; None (default): classes repeated ``DEFAULT_MIN_REPEATS`` times, except in
+        tensor-parallel targets (their collectives run inside the layers; the collective graph settings are the top
+        graph's) and targets with recurrent layers (not tried as regions); False: none. The drafter's repeated layer
+        class joins them where the target has one and the drafter is not split over ranks: its graph already calls
+        regions (Inductor's Python wrapper), so one more class costs a call per layer and saves the copies."""
         spec, arg = self.spec, self.regions_arg
         if arg is False or (arg is None and (spec.tp is not None or spec.kv_cache().has_states)):
             return []
-        return repeated_layer_types(spec.target, min_repeats=2 if arg else DEFAULT_MIN_REPEATS)
+        kinds = repeated_layer_types(spec.target, min_repeats=2 if arg else DEFAULT_MIN_REPEATS)
+        if kinds and spec.tp is None:
+            kinds += [k for k in repeated_layer_types(spec.draft.layers) if k not in kinds]
+        return kinds
 
     @property
     def regions(self) -> bool:

@@ -205,8 +205,7 @@ class DFlashStep(nn.Module):
         positions = ctx_lens[:, None] + torch.arange(B, device=bonus.device)
         ctx_lens = torch.where(active, ctx_lens, 0)
         read, _ = read_slots(block_tables, ctx_lens, self.page_size)
-        kv = draft_pool[:, :, read]  # [Ld, 2, Bk, S, Hkv, D]
-        logits = self.draft(block, positions, kv[:, 0], kv[:, 1], ctx_lens)  # [Bk, B-1, V]
+        logits = self.draft.forward_paged(block, positions, draft_pool, read, ctx_lens)  # [Bk, B-1, V]
         drafts = self.next_tokens(logits, positions[:, 1:], sampling)  # [Bk, B-1]
         return torch.cat([bonus, drafts], dim=1)
 
