@@ -1,6 +1,7 @@
 """Inductor's options for the CPU step: the compile time and the step time they give, side by side.
 
-    python benchmarks/bench_cpu_options.py [--set build|asserts|regions] [--pair default|tiny] [--batches 1 8] [--k 7]
+    python benchmarks/bench_cpu_options.py [--set build|asserts|regions|draft-regions] [--pair default|tiny]
+        [--batches 1 8] [--k 7]
         [--context 500] [--repeats 7]
 
 The shipped pair (``--pair tiny``: the tiny code pair), one CPU thread, ``speculation="fixed"`` at ``--k`` (a plain step, no proposal, at 0). Compiles the
@@ -18,6 +19,8 @@ time over ``--repeats`` rounds of 20 calls, the variants interleaved. Sets:
   the backend's default without them (``backends.REGION_CPU_INDUCTOR_OPTIONS``).
 - ``regions``: the target's decoder layers as nested compile regions (Inductor's Python wrapper, its kernels one C++
   unit: ``cpp_units.py``) against inline (the C++ wrapper), each with the backend's options.
+- ``draft-regions``: with the target's layers as regions, the drafter's layers as a region too (the default
+  wherever the target's are) against inline in the step graph.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from _harness import load_pair
 from bench_step import step_inputs
 from dflash_compile import DFlashSpecWrapper
 
-#: each set's variants: name -> (Inductor options, regions)
+#: each set's variants: name -> (Inductor options, regions; "target": the target's layers alone as regions)
 SETS = {
     "build": {"one unit, precompiled header": ({"cpp_wrapper_build_separate": False,
                                                  "cpp_cache_precompile_headers": True}, False),
@@ -42,6 +45,7 @@ SETS = {
     "asserts": {"with size and scalar asserts": ({"size_asserts": True, "scalar_asserts": True}, True),
                 "dflash (without them)": ({}, True)},
     "regions": {"layers as regions": ({}, True), "layers inline": ({}, False)},
+    "draft-regions": {"drafter's layers as a region": ({}, True), "drafter's layers inline": ({}, "target")},
 }
 
 
@@ -71,7 +75,10 @@ def main() -> None:
         for name, (options, regions) in variants.items():
             spec = DFlashSpecWrapper(target, draft, k, speculation="fixed", max_batch_size=batch,
                                      batch_buckets=(batch,), max_seq_len=2048)
-            spec.compile(backend="dflash", cache_dir=tempfile.mkdtemp(), options=options, regions=regions)
+            spec.compile(backend="dflash", cache_dir=tempfile.mkdtemp(), options=options, regions=bool(regions))
+            if regions == "target":  # the classes marked while the step is traced: the target's alone
+                keys = spec.compiled_steps.keys
+                keys.region_types = [k for k in keys.region_types if k not in {type(m) for m in draft.layers}]
             inputs = step_inputs(spec, batch, args.context)
             start = time.perf_counter()
             with torch.no_grad():
