@@ -42,8 +42,8 @@ class OracleDrafter(DFlashDraftModel):
             out.append(tok)
         return out[:K]
 
-    def _draft(self, block_ids, block_positions, *args):  # under both forms, ``forward`` and the step's paged one
-        logits = super()._draft(block_ids, block_positions, *args)  # [Bk, K, V]
+    def forward(self, block_ids, block_positions, *args, **kwargs):  # either form of the context (dense, paged)
+        logits = super().forward(block_ids, block_positions, *args, **kwargs)  # [Bk, K, V]
         K, V = logits.shape[1:]
         pos = block_positions[:, 0]
         forced = pos % self.block_size  # how many leading drafts are the oracle's

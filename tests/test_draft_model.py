@@ -104,8 +104,10 @@ def test_draft_forward_matches_fp64_transcription(family, num_kv):
     slots = torch.randperm(40)[:2 * S].view(2, S)  # each row's context at scattered slots of a 40-slot pool
     pool = torch.randn(L, 2, 40, Hkv, D, dtype=torch.float64)  # the unused slots hold values that must not leak
     pool[:, 0, slots], pool[:, 1, slots] = k, v
-    paged = draft.forward_paged(block, block_pos, pool, slots, ctx_lens)
+    paged = draft(block, block_pos, ctx_lens=ctx_lens, pool=pool, read=slots)
     assert (paged - got).abs().max().item() <= 1e-12
+    with pytest.raises(ValueError, match="ctx_k and ctx_v, or as pool and read"):
+        draft(block, block_pos, k, v, ctx_lens, pool=pool, read=slots)
 
 
 def test_borrows_target_modules():

@@ -334,30 +334,28 @@ class DFlashDraftModel(nn.Module):
         self,
         block_ids: torch.Tensor,
         block_positions: torch.Tensor,
-        ctx_k: torch.Tensor,
-        ctx_v: torch.Tensor,
-        ctx_lens: torch.Tensor,
+        ctx_k: torch.Tensor | None = None,
+        ctx_v: torch.Tensor | None = None,
+        ctx_lens: torch.Tensor | None = None,
+        *,
+        pool: torch.Tensor | None = None,
+        read: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits of the draft tokens.
 
         ``block_ids [B, Q]`` (bonus then masks) at ``block_positions [B, Q]``; ``ctx_k``/``ctx_v``
         ``[L, B, S, Hkv, D]`` from ``context_kv``, the context key of position ``p`` at index ``p``, valid for
         ``p < ctx_lens[b]``. Returns ``[B, Q - 1, V]``: the logits for block positions ``1..Q-1``.
-        """
-        return self._draft(block_ids, block_positions, ctx_lens, ctx_k.shape[2],
-                           lambda i, layer, h, cos, sin, mask: layer(h, cos, sin, ctx_k[i], ctx_v[i], mask))
 
-    def forward_paged(
-        self,
-        block_ids: torch.Tensor,
-        block_positions: torch.Tensor,
-        pool: torch.Tensor,
-        read: torch.Tensor,
-        ctx_lens: torch.Tensor,
-    ) -> torch.Tensor:
-        """``forward`` over a paged cache (the compiled step's form): ``pool [L, 2, slots, Hkv, D]`` holds every
-        layer's context K and V, and each layer reads its own at the slots ``read [B, S]`` (the context key of
-        position ``p`` at column ``p``, valid for ``p < ctx_lens[b]``) inside ``paged_forward``."""
+        Over a paged cache (the compiled step's form), ``pool`` and ``read`` instead of ``ctx_k``/``ctx_v``:
+        ``pool [L, 2, slots, Hkv, D]`` holds every layer's context K and V, and each layer reads its own at the
+        slots ``read [B, S]`` (the context key of position ``p`` at column ``p``) inside ``paged_forward``.
+        """
+        if (pool is None) == (ctx_k is None) or (pool is None) != (read is None) or (ctx_k is None) != (ctx_v is None):
+            raise ValueError("give the drafter its context as ctx_k and ctx_v, or as pool and read")
+        if pool is None:
+            return self._draft(block_ids, block_positions, ctx_lens, ctx_k.shape[2],
+                               lambda i, layer, h, cos, sin, mask: layer(h, cos, sin, ctx_k[i], ctx_v[i], mask))
         return self._draft(block_ids, block_positions, ctx_lens, read.shape[1],
                            lambda i, layer, h, cos, sin, mask: layer.paged_forward(h, cos, sin, pool[i], read, mask))
 

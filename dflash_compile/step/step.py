@@ -205,7 +205,7 @@ class DFlashStep(nn.Module):
         positions = ctx_lens[:, None] + torch.arange(B, device=bonus.device)
         ctx_lens = torch.where(active, ctx_lens, 0)
         read, _ = read_slots(block_tables, ctx_lens, self.page_size)
-        logits = self.draft.forward_paged(block, positions, draft_pool, read, ctx_lens)  # [Bk, B-1, V]
+        logits = self.draft(block, positions, ctx_lens=ctx_lens, pool=draft_pool, read=read)  # [Bk, B-1, V]
         drafts = self.next_tokens(logits, positions[:, 1:], sampling)  # [Bk, B-1]
         return torch.cat([bonus, drafts], dim=1)
 
