@@ -106,8 +106,11 @@ def test_draft_forward_matches_fp64_transcription(family, num_kv):
     pool[:, 0, slots], pool[:, 1, slots] = k, v
     paged = draft(block, block_pos, ctx_lens=ctx_lens, pool=pool, read=slots)
     assert (paged - got).abs().max().item() <= 1e-12
-    with pytest.raises(ValueError, match="ctx_k and ctx_v, or as pool and read"):
-        draft(block, block_pos, k, v, ctx_lens, pool=pool, read=slots)
+    for wrong in (dict(ctx_k=k, ctx_v=v, pool=pool, read=slots), dict(pool=pool), dict(ctx_k=k, pool=pool, read=slots)):
+        with pytest.raises(ValueError, match="ctx_lens and its context as ctx_k and ctx_v, or as pool and read"):
+            draft(block, block_pos, ctx_lens=ctx_lens, **wrong)
+    with pytest.raises(ValueError, match="ctx_lens"):
+        draft(block, block_pos, pool=pool, read=slots)
 
 
 def test_borrows_target_modules():

@@ -351,8 +351,9 @@ class DFlashDraftModel(nn.Module):
         ``pool [L, 2, slots, Hkv, D]`` holds every layer's context K and V, and each layer reads its own at the
         slots ``read [B, S]`` (the context key of position ``p`` at column ``p``) inside ``paged_forward``.
         """
-        if (pool is None) == (ctx_k is None) or (pool is None) != (read is None) or (ctx_k is None) != (ctx_v is None):
-            raise ValueError("give the drafter its context as ctx_k and ctx_v, or as pool and read")
+        if ctx_lens is None or (pool is None) == (ctx_k is None) or (pool is None) != (read is None) or (
+                (ctx_k is None) != (ctx_v is None)):
+            raise ValueError("give the drafter ctx_lens and its context as ctx_k and ctx_v, or as pool and read")
         if pool is None:
             return self._draft(block_ids, block_positions, ctx_lens, ctx_k.shape[2],
                                lambda i, layer, h, cos, sin, mask: layer(h, cos, sin, ctx_k[i], ctx_v[i], mask))
