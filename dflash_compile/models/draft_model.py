@@ -354,19 +354,14 @@ class DFlashDraftModel(nn.Module):
         if ctx_lens is None or (pool is None) == (ctx_k is None) or (pool is None) != (read is None) or (
                 (ctx_k is None) != (ctx_v is None)):
             raise ValueError("give the drafter ctx_lens and its context as ctx_k and ctx_v, or as pool and read")
-        if pool is None:
-            return self._draft(block_ids, block_positions, ctx_lens, ctx_k.shape[2],
-                               lambda i, layer, h, cos, sin, mask: layer(h, cos, sin, ctx_k[i], ctx_v[i], mask))
-        return self._draft(block_ids, block_positions, ctx_lens, read.shape[1],
-                           lambda i, layer, h, cos, sin, mask: layer.paged_forward(h, cos, sin, pool[i], read, mask))
-
-    def _draft(self, block_ids, block_positions, ctx_lens, num_ctx: int, run_layer) -> torch.Tensor:
-        """The drafter's pass over a block; ``run_layer(i, layer, h, cos, sin, mask)`` runs layer ``i``."""
         h = self.embed_tokens(block_ids)
         cos, sin = self.rotary_emb(h, block_positions)
-        masks = self.attention_mask(ctx_lens, num_ctx, block_positions)
+        masks = self.attention_mask(ctx_lens, ctx_k.shape[2] if pool is None else read.shape[1], block_positions)
         for i, layer in enumerate(self.layers):
-            h = run_layer(i, layer, h, cos, sin, masks[i])
+            if pool is None:
+                h = layer(h, cos, sin, ctx_k[i], ctx_v[i], masks[i])
+            else:
+                h = layer.paged_forward(h, cos, sin, pool[i], read, masks[i])
         return self.to_target_vocab(self.head(self.norm(h[:, 1:])))
 
     def forward_blocks(
